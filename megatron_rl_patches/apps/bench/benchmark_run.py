@@ -1,5 +1,5 @@
 """The `run()` every table-and-figure benchmark shares: the clock started, the import notes hidden,
-the rows measured (one error row where the measurement raises, `outputs.measured`), the title told
+the rows measured (one error row where the measurement raises, `outputs.measured`), the title with
 the seconds so far, the table printed and, with an output folder, written with its grouped-bar
 figure (`outputs.reported`). A benchmark names what differs: its measurement, its title and its
 bars (`Bars`)."""
@@ -27,15 +27,16 @@ class Bars:
 
 
 def run_benchmark(name: str, measure: Callable[[], list[dict]], key: str, columns: Sequence[str],
-                  title: Callable[[float], str], bars: Bars, out_dir: str | None, *,
+                  described: str, bars: Bars, quick: bool, out_dir: str | None, *,
                   hide_notes: bool = True) -> list[dict]:
-    """`measure()`'s rows printed under `title(seconds since the start)`; with `out_dir`, written as
-    `name`.csv / .md / .png. `key`: the column of the error row where `measure` raises."""
+    """`measure()`'s rows printed under `described` and the seconds since the start (`--quick` said);
+    with `out_dir`, written as `name`.csv / .md / .png. `key`: the column of the error row where
+    `measure` raises."""
     started = time.perf_counter()
     if hide_notes:
         hide_import_notes()
     rows = outputs.measured(measure, key)
-    heading = title(time.perf_counter() - started)
+    heading = outputs.titled(f"{described} ({time.perf_counter() - started:.0f} s from the benchmark's start)", quick)
 
     def plot(rows: list[dict], path: str) -> None:
         shown = [bars.shown(row) for row in rows] if bars.shown is not None else rows

@@ -126,11 +126,10 @@ def measure(plan: dict) -> list[dict]:
     return rows
 
 
-def title_of(plan: dict, quick: bool, seconds: float) -> str:
-    return outputs.titled(
-        f"teacher pass with a privileged context: {outputs.gpt_words(plan)}; {plan['samples']} samples of prompt "
-        f"{plan['prompt']} + response {plan['response']}, TeacherStep send + collect,\n{plan['rounds']} interleaved "
-        f"rounds ({seconds:.0f} s from the benchmark's start)", quick)
+def described(plan: dict) -> str:
+    return (f"teacher pass with a privileged context: {outputs.gpt_words(plan)}; {plan['samples']} samples of prompt "
+            f"{plan['prompt']} + response {plan['response']}, TeacherStep send + collect,\n{plan['rounds']} "
+            "interleaved rounds")
 
 
 BARS = Bars(group="case", series="teacher", values=("tokens_vs_without", "cpu_vs_without"),
@@ -142,4 +141,4 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write context_pass.csv / .md / .png into `out_dir` when given."""
     plan = QUICK if quick else FULL
     return run_benchmark("context_pass", lambda: measure(plan), "case", COLUMNS,
-                         lambda seconds: title_of(plan, quick, seconds), BARS, out_dir)
+                         described(plan), BARS, quick, out_dir)

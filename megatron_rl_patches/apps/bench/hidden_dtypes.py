@@ -21,7 +21,6 @@ import os
 import tempfile
 from typing import Any
 
-from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 
 FULL: dict[str, Any] = {"config": dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -118,11 +117,10 @@ def measure(plan: dict) -> list[dict]:
     return rows
 
 
-def title_of(plan: dict, quick: bool, seconds: float) -> str:
-    return outputs.titled(
-        f"hidden states sent as each embed_dtype: error against float64 of a float32 model's own states "
-        f"(random Qwen3, hidden {plan['config'].get('hidden_size', 32)}, vocab {plan['config']['vocab_size']}, "
-        f"{plan['rows'] * plan['length']} tokens, top-{plan['k']} + tail; {seconds:.0f} s)", quick)
+def described(plan: dict) -> str:
+    return (f"hidden states sent as each embed_dtype: error against float64 of a float32 model's own states "
+            f"(random Qwen3, hidden {plan['config'].get('hidden_size', 32)}, vocab {plan['config']['vocab_size']}, "
+            f"{plan['rows'] * plan['length']} tokens, top-{plan['k']} + tail)")
 
 
 BARS = Bars(group="embed_dtype", series="head", values=("bytes_per_token", "token_lp_max_err", "fwd_kl_mean"),
@@ -133,4 +131,4 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write hidden_dtypes.csv / .md / .png into `out_dir` when given."""
     plan = QUICK if quick else FULL
     return run_benchmark("hidden_dtypes", lambda: measure(plan), "head", COLUMNS,
-                         lambda seconds: title_of(plan, quick, seconds), BARS, out_dir)
+                         described(plan), BARS, quick, out_dir)

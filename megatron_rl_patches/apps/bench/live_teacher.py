@@ -130,12 +130,10 @@ def rows_of(results: list[dict], quick: bool) -> list[dict]:
     return rows
 
 
-def title_of(plan: dict, quick: bool, seconds: float) -> str:
-    return outputs.titled(
-        f"live self-teacher against a snapshot teacher: {outputs.gpt_words(plan)}; {plan['samples']} samples of "
-        f"context {plan['context']} + response {plan['response']} per step,\n{plan['rounds']} rounds of a fresh "
-        f"process per teacher, {plan['steps']} timed steps each; memory: resident set ({seconds:.0f} s from the "
-        f"benchmark's start)", quick)
+def described(plan: dict) -> str:
+    return (f"live self-teacher against a snapshot teacher: {outputs.gpt_words(plan)}; {plan['samples']} samples of "
+            f"context {plan['context']} + response {plan['response']} per step,\n{plan['rounds']} rounds of a fresh "
+            f"process per teacher, {plan['steps']} timed steps each; memory: resident set")
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
@@ -152,7 +150,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     bars = Bars(group="teacher", series="model", values=("own_weights_MiB", "peak_MiB", "cpu_vs_live"),
                 titles=("teacher's own weights (MiB, exact)", "peak above the mark (MiB, RSS)", "step CPU time / live"),
                 shown=lambda row: dict(row, model=f"{plan['layers']} x {plan['hidden']}"))
-    rows = run_benchmark("self_teacher", scored, "teacher", COLUMNS, lambda seconds: title_of(plan, quick, seconds),
-                         bars, out_dir, hide_notes=False)
+    rows = run_benchmark("self_teacher", scored, "teacher", COLUMNS, described(plan), bars, quick, out_dir,
+                         hide_notes=False)
     self_teacher_pass.run(quick, out_dir)
     return rows

@@ -22,7 +22,6 @@ import statistics
 import time
 from typing import Any
 
-from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
 
@@ -162,12 +161,11 @@ def measure(plan: dict) -> list[dict]:
     return rows
 
 
-def title_of(plan: dict, quick: bool, seconds: float) -> str:
-    return outputs.titled(
-        f"shared-prefix packing: GPTModel {plan['layers']} layers x {plan['hidden']} hidden (Qwen3's proportions: "
-        f"{plan['heads']} heads of {plan['hidden'] // plan['heads']}, {plan['groups']} key/value groups, SwiGLU "
-        f"{3 * plan['hidden']}), vocab {plan['vocab']}, fp32,\n{cpu_name()}, one thread; {plan['rounds']} "
-        f"interleaved rounds ({seconds:.0f} s from the benchmark's start)", quick)
+def described(plan: dict) -> str:
+    return (f"shared-prefix packing: GPTModel {plan['layers']} layers x {plan['hidden']} hidden (Qwen3's proportions: "
+            f"{plan['heads']} heads of {plan['hidden'] // plan['heads']}, {plan['groups']} key/value groups, SwiGLU "
+            f"{3 * plan['hidden']}), vocab {plan['vocab']}, fp32,\n{cpu_name()}, one thread; {plan['rounds']} "
+            "interleaved rounds")
 
 
 BARS = Bars(group="case", series="route",
@@ -179,4 +177,4 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write shared_prefix.csv / .md / .png into `out_dir` when given."""
     plan = QUICK if quick else FULL
     return run_benchmark("shared_prefix", lambda: measure(plan), "case", COLUMNS,
-                         lambda seconds: title_of(plan, quick, seconds), BARS, out_dir)
+                         described(plan), BARS, quick, out_dir)
