@@ -182,7 +182,7 @@ def old_route(actor, data, teacher, settings, student_log_probs):
     samples = [ct.teacher_sample(t, int(r), m, teacher.pair.student_tokenizer, teacher.pair.tokenizer)
                for t, r, m in zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
     budget = ct.student_budget(data["total_lengths"], data["micro_batch_indices"])
-    own = teacher_rollout(samples, ct.plan_passes([s.tokens.numel() for s in samples], budget,
+    own = teacher_rollout(samples, ct.pass_batches([s.tokens.numel() for s in samples], budget,
                                                   len(data["micro_batch_indices"])))
     first = topk_pass(actor.args, model, own, opd.TopkRequest(k=settings.k))
     buckets = [ct.chunk_start_buckets(ids, s.alignment, teacher.pair.shared) for ids, s in zip(first["topk_ids"],
