@@ -22,7 +22,7 @@ from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, gath
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.pipeline import replica_scores
-from megatron_rl_patches.model.chunks import unwrap
+from megatron_rl_patches.model.chunks import is_last_stage, unwrap
 from megatron_rl_patches.ops import log_probs_and_entropy, topk_ids, topk_logprobs
 
 
@@ -235,7 +235,7 @@ def hidden_at_layout(chunks: Any, tokens: torch.Tensor, *, layout: TeacherLayout
     model, groups, batch = call.model, call.groups, call.batch
     inner = unwrap(model)
     width = int(inner.config.hidden_size)
-    swapped = getattr(inner, "post_process", True)  # only the last stage has an output layer
+    swapped = is_last_stage(inner)  # only the last stage has an output layer
     if swapped:
         output_layer = inner.output_layer
         inner.output_layer = _HiddenOut(output_layer)
@@ -263,7 +263,7 @@ def output_weight_at_layout(chunks: Any, *, layout: TeacherLayout | None = None)
     parameter, device = next(model.parameters()), forward_device(model)
     with torch.no_grad():
         shard = None
-        if getattr(inner, "post_process", True):  # a swap / stream teacher's: its host copy, sent from the device
+        if is_last_stage(inner):  # a swap / stream teacher's: its host copy, sent from the device
             shard = (inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights
                      else inner.output_layer.weight).detach().to(device)
         if groups.pp_size > 1:
