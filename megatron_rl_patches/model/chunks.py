@@ -3,8 +3,10 @@
 the model inside them (`unwrap`, the package's only one), every module of the chunks
 (`modules_of`), whether a chunk is the last pipeline stage, and what counts as a DDP chunk.
 
-Imports nothing heavy: megatron-core and torch classes are looked up in `sys.modules` only, since
-no object can be an instance of a class whose module was never imported.
+Imports nothing heavy: wrappers are followed by their `.module` link and a language model is read
+from what it holds (`kinds`), so no megatron-core class is imported; torch is looked up in
+`sys.modules` (no object can be a torch module where torch was never imported), or imported by
+`module_chunks`, whose callers run models.
 """
 # lazy imports: import cost: inference.sizing.memory imports this module without torch (tests/test_lazy_import.py)
 from __future__ import annotations
@@ -17,6 +19,7 @@ from megatron_rl_patches.model.kinds import is_language_model
 
 # megatron-core DistributedDataParallel's forward-pre-hook / param-sync API (0.13 to 0.16+)
 DDP_HOOK_ATTRS = ("remove_forward_pre_hook_handles", "use_forward_hook", "start_param_sync")
+
 
 def as_chunks(model_or_list: Any) -> list[Any]:
     """The model chunks as a new list: a list or tuple is copied, anything else is one chunk
