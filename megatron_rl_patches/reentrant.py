@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from megatron_rl_patches._log import logger, warn_once
-from megatron_rl_patches.inference.chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches.inference.guard import assert_trainable
+from megatron_rl_patches.model.chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 
 F = TypeVar("F", bound=Callable[..., Any])
 

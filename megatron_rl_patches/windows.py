@@ -37,8 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl_patches.inference.chunks import as_chunks
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
+from megatron_rl_patches.model.chunks import as_chunks
 
 # Bucket-group methods shadowed during a window (the names exist in megatron-core 0.13 - 0.20).
 _GROUP_METHODS = ("register_grad_ready", "start_grad_sync")

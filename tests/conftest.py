@@ -107,7 +107,7 @@ def model_state(module: Any) -> dict:
     """Clones of the tensors in the (unwrapped) model's state dict."""
     import torch
 
-    from megatron_rl_patches.inference.chunks import unwrap
+    from megatron_rl_patches.model.chunks import unwrap
 
     return {k: v.detach().clone() for k, v in unwrap(module).state_dict().items() if isinstance(v, torch.Tensor)}
 
@@ -130,7 +130,7 @@ def save_checkpoint(model: Any, root: Any, iteration: int, **common: Any) -> Any
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from megatron_rl_patches.inference.chunks import unwrap
+    from megatron_rl_patches.model.chunks import unwrap
 
     path = root / f"iter_{iteration:07d}"
     path.mkdir(parents=True)

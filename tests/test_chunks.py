@@ -1,20 +1,20 @@
-"""The shared model-chunk and argument helpers (`inference.chunks`, `patching.calls`, `ops.scoring_plan`'s
-`positive_int`) that reentrant, the wrappers and inference use."""
+"""The `model/` room's chunk, kind and argument helpers (`model.chunks`, `model.kinds`, `model.arguments`) and
+`ops.scoring_plan`'s `positive_int`, which reentrant, the wrappers, inference and the integrations use."""
 from __future__ import annotations
 
 import json
 import re
 import subprocess
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_rl_patches import reentrant
-from megatron_rl_patches.inference import chunks as _chunks
+from megatron_rl_patches.model import arguments as calls
+from megatron_rl_patches.model import chunks as _chunks
+from megatron_rl_patches.model import kinds
 from megatron_rl_patches.ops import scoring_plan
-from megatron_rl_patches.patching import calls
 from megatron_rl_patches.testing.fake_ddp import FakeDDP
 
 
@@ -65,26 +65,72 @@ def test_ddp_like_and_grad_buffers_are_distinct_checks():
     assert reentrant.is_ddp_like is _chunks.is_ddp_like  # the name reentrant always exported
 
 
-def test_unwrap_strips_only_known_wrappers(monkeypatch):
-    class Wrapper:
-        def __init__(self, module):
-            self.module = module
+def language_model(**fields):
+    """A stand-in that `kinds.is_language_model` reads as GPTModel (decoder, stage flags, vocabulary)."""
+    return SimpleNamespace(**{"decoder": object(), "pre_process": True, "post_process": True, "vocab_size": 8,
+                              **fields})
 
-    fake_module = types.ModuleType("fake_wrappers")
-    fake_module.Wrapper = Wrapper
-    monkeypatch.setitem(sys.modules, "fake_wrappers", fake_module)
-    monkeypatch.setattr(_chunks, "_WRAPPERS", (*_chunks._WRAPPERS, ("fake_wrappers", "Wrapper")))
-    model = SimpleNamespace(module=SimpleNamespace())  # `.module` but not a wrapper: kept
-    assert _chunks.unwrap(Wrapper(Wrapper(model))) is model
-    assert _chunks.unwrap(model) is model
-    monkeypatch.delitem(sys.modules, "fake_wrappers")  # a class whose module is not imported
-    assert isinstance(_chunks.unwrap(Wrapper(model)), Wrapper)
+
+class Wrapper:
+    def __init__(self, module):
+        self.module = module
+
+
+def test_unwrap_finds_the_language_model_under_any_wrapper():
+    """The one `unwrap` (issue 113): the language model under a framework's own wrapper too (the
+    inference helper stopped at a wrapper class it did not know), at the model even where it holds a
+    `.module` of its own (the slime helper went on), and a `.module` chain with a cycle ends."""
+    gpt = language_model()
+    assert _chunks.unwrap(Wrapper(Wrapper(gpt))) is gpt
+    assert _chunks.unwrap(gpt) is gpt
+    inner = SimpleNamespace()
+    assert _chunks.unwrap(language_model(module=inner)) is not inner  # stops at the model
+    looped = Wrapper(None)
+    looped.module = looped
+    assert _chunks.unwrap(looped) is looped
+    assert _chunks.unwrap(Wrapper(None)).module is None and _chunks.unwrap(None) is None
+    assert _chunks.unwrap(Wrapper(Wrapper(inner))) is inner  # no language model: the innermost link
+    assert _chunks.is_last_stage(Wrapper(gpt))
+    assert not _chunks.is_last_stage(Wrapper(language_model(post_process=False)))
+
+
+def test_kinds_read_what_a_module_holds():
+    assert kinds.is_language_model(language_model())
+    assert not kinds.is_language_model(SimpleNamespace(decoder=object(), vocab_size=8))
+    assert kinds.is_attention(SimpleNamespace(core_attention=object(), linear_proj=object()))
+    assert not kinds.is_attention(SimpleNamespace(core_attention=object()))
+
+
+def test_modules_of_walks_every_chunk_and_names_the_caller():
+    torch = pytest.importorskip("torch")
+    first, second = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU())
+    found = list(_chunks.modules_of([first, second], "who"))
+    assert found == [first, second, second[0]]
+    assert list(_chunks.modules_of(first, "who")) == [first]
+    with pytest.raises(TypeError, match=r"^prepare: expected megatron-core model chunks, got str$"):
+        list(_chunks.modules_of([first, "x"], "prepare"))
+
+
+def test_arguments_by_name_read_and_replace_positional_and_keyword_arguments():
+    class Layer:
+        def forward(self, hidden, mask=None, *, params=None):
+            return None
+
+    call = calls.ArgumentsByName.of_forward(Layer(), (1,), {"mask": 2, "extra": 3})
+    assert (call.get("hidden"), call.get("mask"), call.get("params"), call.get("extra")) == (1, 2, None, 3)
+    call.set("hidden", 10)
+    call.set("mask", 20)
+    call.set("params", 30)
+    assert call.done() == ((10,), {"mask": 20, "extra": 3, "params": 30})
+    free = calls.ArgumentsByName(lambda a, b: None, (1, 2), {})
+    free.set("b", 5)
+    assert free.done() == ((1, 5), {})
 
 
 def test_helpers_import_nothing_heavy():
     code = (
         "import json, sys; from types import SimpleNamespace as S; "
-        "import megatron_rl_patches.inference.chunks as c, megatron_rl_patches.ops.scoring_plan as a; "
+        "import megatron_rl_patches.model.chunks as c, megatron_rl_patches.ops.scoring_plan as a; "
         "m = S(config=1); assert c.unwrap(m) is m and c.as_chunks(m) == [m] and a.positive_int('n', 2) == 2; "
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules} & {'torch', 'megatron', 'numpy'})))"
     )

@@ -1,7 +1,8 @@
-"""The framework-free rooms name no framework in their code (issue 64 item 3): `cross_tokenizer/` and
-`inference/` take plain inputs and raise errors naming their arguments; building a framework's batch
-or naming its settings is its integration's (`integrations/<framework>/`). Docstrings and comments
-may name the framework a function serves; the code (names, strings, keys) may not."""
+"""The framework-free rooms name no framework in their code (issue 64 item 3; `model/` since issue 113):
+`cross_tokenizer/`, `inference/` and `model/` take plain inputs and raise errors naming their
+arguments; building a framework's batch or naming its settings is its integration's
+(`integrations/<framework>/`). Docstrings and comments may name the framework a function serves;
+the code (names, strings, keys) may not."""
 from __future__ import annotations
 
 import ast
@@ -13,7 +14,7 @@ import pytest
 import megatron_rl_patches
 
 ROOT = Path(megatron_rl_patches.__file__).resolve().parent
-CORE = ("cross_tokenizer", "inference")
+CORE = ("cross_tokenizer", "inference", "model")
 # a framework's name as a word (not inside another: "overlap" holds "verl"), slime's rollout keys
 # (`num_microbatches` is megatron-core's own keyword too: not listed), the slime integration's variables
 FRAMEWORK = re.compile(r"(?i)(?<![a-z])(slime|verl|nemo)(?![a-z])|micro_batch_indices|loss_masks"

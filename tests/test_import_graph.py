@@ -10,6 +10,8 @@
   integrations, processors, app, `testing`, nor megatron: the integrations build on it;
 - `shared_prefix` imports the ops and megatron-core only: no patching, integrations, inference,
   processors, teachers, app nor `testing`;
+- `model` (what the package knows about a Megatron model) imports nothing of the package but `_log`,
+  so every room may use it; the `ops` (framework-free math) do not;
 - no cycle between rooms (a room may import itself);
 - no cycle between modules inside a room either (function-level and `TYPE_CHECKING` imports count:
   a cycle hidden in a function is still two modules that cannot be understood apart).
@@ -39,6 +41,7 @@ ROOMS = {
     "cross_tokenizer": "cross_tokenizer",  # alignment between two tokenizers: ops and torch only
     "teachers": "teachers",  # the framework-free teacher contract and served teachers: downhill of integrations
     "shared_prefix": "shared_prefix",  # a group's prompt once: the plan, its attention, the model's seams
+    "model": "model",  # what the package knows about a Megatron model: chunks, unwrap, arguments, attention layout
     # leaves and small rooms of their own
     "reentrant": "reentrant",
     "windows": "windows",
@@ -232,6 +235,9 @@ def violations(edges: dict[tuple[str, str], list[str]], exceptions: dict[tuple[s
     forbidden.update(("shared_prefix", target) for target in ("patching", "integrations", "inference", "processors",
                                                                "teachers", "apps", "testing"))
     rooms = {name for edge in edges for name in edge}
+    # model: a floor below every room that uses it (megatron-core looked up lazily); the ops stay framework-free
+    forbidden.update(("model", target) for target in rooms - {"model", "_log", MEGATRON})
+    forbidden.add(("ops", "model"))
     forbidden.update((source, target) for source in rooms - LIBRARY_EXEMPT for target in ("apps", "testing"))
     problems = [
         f"{a} must not import {b}: {', '.join(edges[a, b][:3])}"
@@ -302,6 +308,7 @@ def synthetic(*pairs: str) -> dict[tuple[str, str], list[str]]:
 
 def test_a_clean_graph_passes():
     edges = synthetic("integrations.slime -> inference.build", "inference.build -> ops.logprobs",
+                      "inference.build -> model.chunks", "model.chunks -> _log", "shared_prefix.plan -> model.kinds",
                       "cli.run -> integrations.slime", "cli.run -> testing.plugin", "ops.topk -> ops.logprobs")
     assert violations(edges, {}) == []
 
@@ -314,6 +321,9 @@ def test_a_clean_graph_passes():
     (("patching.launcher -> integrations",), "patching must not import integrations"),
     (("teachers.served -> integrations.slime.opd",), "teachers must not import integrations"),
     (("teachers.served -> processors.heads",), "teachers must not import processors"),
+    (("model.chunks -> inference.build",), "model must not import inference"),
+    (("model.chunks -> settings",), "model must not import settings"),
+    (("ops.topk -> model.chunks",), "ops must not import model"),
     (("integrations.slime -> inference.build", "inference.roles -> integrations.slime"),
      "import cycle between rooms inference <-> integrations"),
     (("reentrant -> windows", "windows -> _log", "_log -> reentrant"),

@@ -23,14 +23,17 @@ _LAZY = lazy_names("""
     losses: chunk_reverse_kl chunk_start_topk_divergence chunk_start_full_divergence
     # a teacher with another tokenizer scored by a training loop's own passes
     teacher: CrossTeacher cross_teacher
-    teacher_passes: TeacherSample teacher_sample plan_micro_batches PassPlan plan_passes Buckets chunk_start_buckets
-        teacher_buckets_on_student_rows log_ratio
+    teacher_passes: TeacherSample teacher_sample split_micro_batches PassBatches pass_batches Buckets
+        chunk_start_buckets teacher_buckets_on_student_rows log_ratio
     chunk_terms: chunk_distillation_terms masked_tail
 """)
 
 __all__ = sorted(_LAZY)
 
-__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+# the names before each said its kind (issue 113: "plan" is a shared-prefix plan or a ScoringPlan)
+RENAMED = {"PassPlan": "PassBatches", "plan_passes": "pass_batches", "plan_micro_batches": "split_micro_batches"}
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals(), RENAMED)
 
 
 def __dir__() -> list[str]:

@@ -1,7 +1,7 @@
 """What a teacher with another tokenizer needs around its forward passes, in any framework: each
 sample re-tokenized for the teacher on the whole sequence (the prompt/response boundary and every
-loss-mask change are forced chunk boundaries), the teacher's own micro-batches planned under the
-student's token budget (`PassPlan`: plain indices; a framework builds its own batch from them), the
+loss-mask change are forced chunk boundaries), the teacher's own micro-batches split under the
+student's token budget (`PassBatches`: plain indices; a framework builds its own batch from them), the
 chunk-start buckets over shared byte strings, and the teacher's values brought back to the student's
 response rows (whole responses: a chunk can straddle context-parallel ranks, each rank cuts its rows
 afterwards). slime's top-k OPD runs its passes (`integrations/megatron/opd/cross_passes.py`, its rollout
@@ -71,38 +71,38 @@ def student_budget(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]
     return max((sum(int(lengths[i]) for i in batch) for batch in micro_batches), default=1)
 
 
-def plan_micro_batches(lengths: Sequence[int], budget: int, at_least: int = 1) -> list[list[int]]:
+def split_micro_batches(lengths: Sequence[int], budget: int, at_least: int = 1) -> list[list[int]]:
     """Samples in order, packed into micro-batches of at most `budget` tokens (a longer sample on
     its own): the teacher's sequences can be longer than the student's, so they may need more; at
     least `at_least` of them (the student's count: pipeline schedules may ask a minimum), the
     largest split in two while it holds several samples."""
     if budget < 1:
         raise ValueError(f"budget must be a positive token count, got {budget}")
-    plan = _packed(lengths, budget)
-    while len(plan) < at_least:
-        splittable = [i for i, batch in enumerate(plan) if len(batch) > 1]
+    batches = _packed(lengths, budget)
+    while len(batches) < at_least:
+        splittable = [i for i, batch in enumerate(batches) if len(batch) > 1]
         if not splittable:
             break
-        i = max(splittable, key=lambda j: sum(int(lengths[s]) for s in plan[j]))
-        half = len(plan[i]) // 2
-        plan[i: i + 1] = [plan[i][:half], plan[i][half:]]
-    return plan
+        i = max(splittable, key=lambda j: sum(int(lengths[s]) for s in batches[j]))
+        half = len(batches[i]) // 2
+        batches[i: i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
 
 
 def _packed(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    plan: list[list[int]] = []
+    batches: list[list[int]] = []
     used = budget + 1
     for index, length in enumerate(lengths):
         if used + int(length) > budget:
-            plan.append([])
+            batches.append([])
             used = 0
-        plan[-1].append(index)
+        batches[-1].append(index)
         used += int(length)
-    return plan
+    return batches
 
 
 @dataclass(frozen=True)
-class PassPlan:
+class PassBatches:
     """The teacher's micro-batches: each a list of indices into its samples followed by the
     repeats (`repeats[i]`: the sample the extra sample `len(samples) + i` repeats)."""
 
@@ -118,15 +118,15 @@ class PassPlan:
         return list(per_sample[:len(per_sample) - len(self.repeats)])
 
 
-def plan_passes(lengths: Sequence[int], budget: int, at_least: int = 1) -> PassPlan:
-    """The teacher's micro-batches over samples of `lengths` tokens (`plan_micro_batches`, at least
+def pass_batches(lengths: Sequence[int], budget: int, at_least: int = 1) -> PassBatches:
+    """The teacher's micro-batches over samples of `lengths` tokens (`split_micro_batches`, at least
     `at_least`). Where the samples cannot be split into that many, the shortest one is repeated as a
     micro-batch of its own (its values dropped: `unpadded`): every rank of a group whose forwards
     pair up collectives (an expert-parallel group's dispatcher) runs as many."""
-    plan = plan_micro_batches(lengths, budget, at_least)
-    missing = max(0, at_least - len(plan)) if len(lengths) else 0
+    batches = split_micro_batches(lengths, budget, at_least)
+    missing = max(0, at_least - len(batches)) if len(lengths) else 0
     repeats = [min(range(len(lengths)), key=lambda i: int(lengths[i]))] * missing if missing else []
-    return PassPlan(plan + [[len(lengths) + i] for i in range(missing)], repeats)
+    return PassBatches(batches + [[len(lengths) + i] for i in range(missing)], repeats)
 
 
 def log_ratio(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alignment: Alignment

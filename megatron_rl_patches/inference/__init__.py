@@ -48,6 +48,7 @@ def __dir__() -> list[str]:
 # are the packages now and keep their public names).
 _aliases.install(__name__, {
     "activation_store": "megatron_rl_patches.inference.layer_major.activation_store",
+    "chunks": "megatron_rl_patches.model.chunks",  # what every room knows of a model: the `model/` room
     "decoder_steps": "megatron_rl_patches.inference.layer_major.decoder_steps",
     "dist_weights": "megatron_rl_patches.inference.loading.torch_dist",
     "host_init": "megatron_rl_patches.inference.residency.host_init",

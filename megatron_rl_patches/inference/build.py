@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference.chunks import has_grad_buffers
 from megatron_rl_patches.inference.guard import freeze_chunk
 from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 from megatron_rl_patches.inference.loading.weights import load_inference_weights
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.host_init import host_initialization
 from megatron_rl_patches.inference.residency.placement import attach_checked, check_residency_args
+from megatron_rl_patches.model.chunks import has_grad_buffers
 
 # modules defining a DistributedDataParallel (megatron-core's, torch's), looked up in sys.modules
 _DDP_MODULES = ("megatron.core.distributed.distributed_data_parallel", "torch.nn.parallel.distributed")

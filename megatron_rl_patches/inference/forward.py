@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.chunks import module_chunks
+from megatron_rl_patches.model.chunks import module_chunks
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 from megatron_rl_patches.ops.scoring_plan import positive_int

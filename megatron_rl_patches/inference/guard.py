@@ -6,7 +6,7 @@ import functools
 from typing import Any
 
 from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference.chunks import as_chunks, iter_wrapped
+from megatron_rl_patches.model.chunks import as_chunks, iter_wrapped
 
 MARKER = "_mrp_inference_only"
 

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.model.attention_layout import heads_first, kv_heads_repeated, sequence_first
+
 
 class SDPACoreAttention(torch.nn.Module):
     """Causal softmax attention of [s, b, heads, d] queries, keys and values (values may be another
@@ -35,13 +37,11 @@ class SDPACoreAttention(torch.nn.Module):
         if packed_seq_params is not None:
             raise ValueError("SDPACoreAttention does not serve packed (thd) batches; pass core_attention= "
                              "Transformer Engine's TEDotProductAttention where a framework packs sequences")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if k.shape[1] != q.shape[1]:  # grouped queries
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        q, k, v = heads_first(query, key, value)
+        k, v = (kv_heads_repeated(t, q.shape[1], "SDPACoreAttention") for t in (k, v))
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         if attention_mask is not None:  # megatron's masks are True where a position is hidden
             mask = mask & ~attention_mask.to(torch.bool)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
                                              dropout_p=self.dropout if self.training else 0.0)
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+        return sequence_first(out)

@@ -135,4 +135,6 @@ _aliases.install(__name__, {
     "verl_rows": "megatron_rl_patches.integrations.verl.rows",
     "verl_topk": "megatron_rl_patches.integrations.verl.topk",
     "ray": "megatron_rl_patches.integrations._ray",
+    # the iterators carrying a step's fused call, named for what they carry (issue 113)
+    "megatron.planned_iterators": "megatron_rl_patches.integrations.megatron.step_iterators",
 }, silent=("slime_opd",))

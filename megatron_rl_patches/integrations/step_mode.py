@@ -2,13 +2,13 @@
 framework hands a patched caller the model (slime's `forward_only` / `train_one_step`, verl's engine
 `forward_step`), then passed down explicitly: as an argument where our code calls our code, and
 with the data where a framework's callback signature is fixed (slime's step plan on its data
-iterators and batch, `step_plan`; the logits handed to slime's log-prob callbacks, `mode_logits`;
+iterators and batch, `fused_step`; the logits handed to slime's log-prob callbacks, `mode_logits`;
 verl's micro-batch, `verl.topk`). No module-level or context variable holds it."""
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.inference.chunks import as_chunks, unwrap
+from megatron_rl_patches.model.chunks import as_chunks, unwrap
 from megatron_rl_patches.ops.invariance import resolve_invariant
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.patching.shadow import shadowed
 from megatron_rl_patches.processors.gpt_signature import KEYWORDS as PROCESSOR_KEYWORDS
 from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran
@@ -105,8 +106,9 @@ def forward_with_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dic
         raise TypeError(f"output_processor must be callable (see log_prob_output_processor), got {processor!r}")
     if not instance.post_process:  # not the last pipeline stage: hidden states go on, as natively
         return wrapped(*args, **kwargs)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
+    bound = bind(wrapped, args, kwargs)
+    if bound is None:  # a call that does not fit: the forward raises its own TypeError
+        return wrapped(*args, **kwargs)
     given = bound.arguments
     mtp_depths = _inline_mtp_depths(instance, wrapped, given)
     hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs, mtp_depths)

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 import megatron_rl_patches.ops.lm_head as lm_head_ops  # the module: a wrapper set on an op is what runs
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.patching import wrappers
-from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.processors.heads import ProcessorCall
 
 PATCH_NAME = "mtp_output_processor"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.inference.sdpa_attention import SDPACoreAttention
+from megatron_rl_patches.model.attention_layout import with_batch
 from megatron_rl_patches.testing.megatron_cpu import TINY_VOCAB, tiny_gpt_config
 
 
@@ -43,8 +44,7 @@ def packed_attention_class() -> type:
                     raise ValueError(f"cu_seqlens cover {sequence.numel()} rows, the packed input has {rows}")
                 causal = torch.ones(rows, rows, dtype=torch.bool).tril()
                 attention_mask = ~(causal & (sequence[:, None] == sequence[None, :]))[None, None]
-                if query.dim() == 3:  # megatron squeezes the dummy batch of `thd` input: [t, np, hn]
-                    query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+                query, key, value = with_batch(query, key, value)  # megatron squeezes `thd` input's batch
             if self.latent is not None:
                 return self.latent(query, key, value, attention_mask)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None, **kwargs)

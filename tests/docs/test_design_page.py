@@ -58,3 +58,16 @@ def test_every_path_the_page_names_exists():
 def test_the_path_check_can_fail():
     assert missing_paths("`ops/no_such_module.py`, `residency/`, `tests/nowhere/`, `loading/hf/`") == [
         "ops/no_such_module.py", "tests/nowhere/"]
+
+
+def test_the_page_reads_in_ten_minutes_and_says_where_shared_prefix_grows():
+    """Issue 113: at most 3,500 words (the room table a short paragraph a room; the detail in the
+    modules' docstrings), and "Where to add …" names the three ways shared prefix grows."""
+    text = PAGE.read_text(encoding="utf-8")
+    assert len(text.split()) <= 3500
+    where = text.split("## Where to add", 1)[1]
+    for entry in ("a new model kind under shared prefix", "a new attention rule under shared prefix",
+                  "a new framework's door to shared prefix"):
+        assert f"**{entry}**" in where, entry
+    longest = max(len(line.split()) for line in text.split("## Rooms", 1)[1].split("\n## ", 1)[0].splitlines())
+    assert longest <= 120, longest

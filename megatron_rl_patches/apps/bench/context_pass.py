@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs
-from megatron_rl_patches.apps.quiet import hide_import_notes
+from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 
 FULL: dict[str, Any] = {
     "layers": 4, "hidden": 256, "heads": 8, "vocab": 8192, "samples": 8, "prompt": 128, "response": 256,
@@ -126,25 +126,19 @@ def measure(plan: dict) -> list[dict]:
     return rows
 
 
-def title_of(plan: dict, quick: bool, seconds: float) -> str:
-    return outputs.titled(
-        f"teacher pass with a privileged context: {outputs.gpt_words(plan)}; {plan['samples']} samples of prompt "
-        f"{plan['prompt']} + response {plan['response']}, TeacherStep send + collect,\n{plan['rounds']} interleaved "
-        f"rounds ({seconds:.0f} s from the benchmark's start)", quick)
+def described(plan: dict) -> str:
+    return (f"teacher pass with a privileged context: {outputs.gpt_words(plan)}; {plan['samples']} samples of prompt "
+            f"{plan['prompt']} + response {plan['response']}, TeacherStep send + collect,\n{plan['rounds']} "
+            "interleaved rounds")
+
+
+BARS = Bars(group="case", series="teacher", values=("tokens_vs_without", "cpu_vs_without"),
+            titles=("teacher forward tokens / no context", "step CPU time / no context"),
+            shown=lambda row: dict(row, teacher="in-process GPTModel"))
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write context_pass.csv / .md / .png into `out_dir` when given."""
-    started = time.perf_counter()
-    hide_import_notes()
     plan = QUICK if quick else FULL
-    rows = outputs.measured(lambda: measure(plan), "case")
-    title = title_of(plan, quick, time.perf_counter() - started)
-
-    def plot(rows: list[dict], path: str) -> None:
-        outputs.plot_grouped_bars([dict(row, teacher="in-process GPTModel") for row in rows], path, group="case",
-                                  series="teacher", values=["tokens_vs_without", "cpu_vs_without"],
-                                  titles=["teacher forward tokens / no context", "step CPU time / no context"],
-                                  suptitle=title)
-
-    return outputs.reported(rows, COLUMNS, title, out_dir, "context_pass", plot)
+    return run_benchmark("context_pass", lambda: measure(plan), "case", COLUMNS,
+                         described(plan), BARS, quick, out_dir)

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from typing import Any
 
-from megatron_rl_patches.apps.bench import outputs
-from megatron_rl_patches.apps.quiet import hide_import_notes
+from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 
 FULL: dict[str, Any] = {"config": dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024),
@@ -119,22 +117,18 @@ def measure(plan: dict) -> list[dict]:
     return rows
 
 
+def described(plan: dict) -> str:
+    return (f"hidden states sent as each embed_dtype: error against float64 of a float32 model's own states "
+            f"(random Qwen3, hidden {plan['config'].get('hidden_size', 32)}, vocab {plan['config']['vocab_size']}, "
+            f"{plan['rows'] * plan['length']} tokens, top-{plan['k']} + tail)")
+
+
+BARS = Bars(group="embed_dtype", series="head", values=("bytes_per_token", "token_lp_max_err", "fwd_kl_mean"),
+            titles=("bytes per token", "token log-prob: largest |error|", "forward KL per row (mean)"))
+
+
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write hidden_dtypes.csv / .md / .png into `out_dir` when given."""
-    started = time.perf_counter()
-    hide_import_notes()
     plan = QUICK if quick else FULL
-    rows = outputs.measured(lambda: measure(plan), "head")
-    title = outputs.titled(
-        f"hidden states sent as each embed_dtype: error against float64 of a float32 model's own states "
-        f"(random Qwen3, hidden {plan['config'].get('hidden_size', 32)}, vocab {plan['config']['vocab_size']}, "
-        f"{plan['rows'] * plan['length']} tokens, top-{plan['k']} + tail; {time.perf_counter() - started:.0f} s)",
-        quick)
-
-    def plot(rows: list[dict], path: str) -> None:
-        outputs.plot_grouped_bars(rows, path, group="embed_dtype", series="head",
-                                  values=["bytes_per_token", "token_lp_max_err", "fwd_kl_mean"],
-                                  titles=["bytes per token", "token log-prob: largest |error|",
-                                          "forward KL per row (mean)"], suptitle=title)
-
-    return outputs.reported(rows, COLUMNS, title, out_dir, "hidden_dtypes", plot)
+    return run_benchmark("hidden_dtypes", lambda: measure(plan), "head", COLUMNS,
+                         described(plan), BARS, quick, out_dir)

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs, self_teacher_pass
+from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 from megatron_rl_patches.apps.bench.measure import MIB, memory_resolved
 from megatron_rl_patches.apps.bench.runner import run_cases
 from megatron_rl_patches.testing.environ import environment
@@ -129,18 +130,15 @@ def rows_of(results: list[dict], quick: bool) -> list[dict]:
     return rows
 
 
-def title_of(plan: dict, quick: bool, seconds: float) -> str:
-    return outputs.titled(
-        f"live self-teacher against a snapshot teacher: {outputs.gpt_words(plan)}; {plan['samples']} samples of "
-        f"context {plan['context']} + response {plan['response']} per step,\n{plan['rounds']} rounds of a fresh "
-        f"process per teacher, {plan['steps']} timed steps each; memory: resident set ({seconds:.0f} s from the "
-        f"benchmark's start)", quick)
+def described(plan: dict) -> str:
+    return (f"live self-teacher against a snapshot teacher: {outputs.gpt_words(plan)}; {plan['samples']} samples of "
+            f"context {plan['context']} + response {plan['response']} per step,\n{plan['rounds']} rounds of a fresh "
+            f"process per teacher, {plan['steps']} timed steps each; memory: resident set")
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write self_teacher.csv / .md / .png into `out_dir` when given; then verl's
     self-teacher pass's memory rows (`self_teacher_pass`: self_teacher_pass.csv / .md)."""
-    started = time.perf_counter()
     plan = QUICK if quick else FULL
     cases = [{"target": CASE, "kwargs": {"teacher": name, "plan": plan}}
              for _ in range(plan["rounds"]) for name in TEACHERS]
@@ -149,16 +147,10 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         with environment({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}):  # glibc reads it as each process starts
             return rows_of(run_cases(cases, isolate=not quick), quick)  # quick: one worker for both
 
-    rows = outputs.measured(scored, "teacher")
-    title = title_of(plan, quick, time.perf_counter() - started)
-
-    def plot(rows: list[dict], path: str) -> None:
-        outputs.plot_grouped_bars([dict(row, model=f"{plan['layers']} x {plan['hidden']}") for row in rows], path,
-                                  group="teacher", series="model",
-                                  values=["own_weights_MiB", "peak_MiB", "cpu_vs_live"],
-                                  titles=["teacher's own weights (MiB, exact)", "peak above the mark (MiB, RSS)",
-                                          "step CPU time / live"], suptitle=title)
-
-    outputs.reported(rows, COLUMNS, title, out_dir, "self_teacher", plot)
+    bars = Bars(group="teacher", series="model", values=("own_weights_MiB", "peak_MiB", "cpu_vs_live"),
+                titles=("teacher's own weights (MiB, exact)", "peak above the mark (MiB, RSS)", "step CPU time / live"),
+                shown=lambda row: dict(row, model=f"{plan['layers']} x {plan['hidden']}"))
+    rows = run_benchmark("self_teacher", scored, "teacher", COLUMNS, described(plan), bars, quick, out_dir,
+                         hide_notes=False)
     self_teacher_pass.run(quick, out_dir)
     return rows

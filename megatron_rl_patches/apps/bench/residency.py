@@ -20,7 +20,7 @@ from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.measure import best_time
-from megatron_rl_patches.inference.chunks import unwrap
+from megatron_rl_patches.model.chunks import unwrap
 
 MODES = ("resident", "swap", "stream", "stream + layer-major")
 QUICK = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq": 16, "micro_batches": 3, "batch": 2}

@@ -23,10 +23,9 @@ import statistics
 import time
 from typing import Any
 
-from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
 from megatron_rl_patches.apps.bench.progress import CaseLines
-from megatron_rl_patches.apps.quiet import hide_import_notes
 
 FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 3,
                         "cases": ((1024, 128, 8), (256, 1024, 8))}
@@ -168,26 +167,20 @@ def measure(plan: dict) -> list[dict]:
     return rows
 
 
-def title_of(plan: dict, quick: bool, seconds: float) -> str:
-    return outputs.titled(
-        f"shared-prefix packing: GPTModel {plan['layers']} layers x {plan['hidden']} hidden (Qwen3's proportions: "
-        f"{plan['heads']} heads of {plan['hidden'] // plan['heads']}, {plan['groups']} key/value groups, SwiGLU "
-        f"{3 * plan['hidden']}), vocab {plan['vocab']}, fp32,\n{cpu_name()}, one thread; {plan['rounds']} "
-        f"interleaved rounds ({seconds:.0f} s from the benchmark's start)", quick)
+def described(plan: dict) -> str:
+    return (f"shared-prefix packing: GPTModel {plan['layers']} layers x {plan['hidden']} hidden (Qwen3's proportions: "
+            f"{plan['heads']} heads of {plan['hidden'] // plan['heads']}, {plan['groups']} key/value groups, SwiGLU "
+            f"{3 * plan['hidden']}), vocab {plan['vocab']}, fp32,\n{cpu_name()}, one thread; {plan['rounds']} "
+            "interleaved rounds")
+
+
+BARS = Bars(group="case", series="packing",
+            values=("forward_vs_unshared", "train_vs_unshared", "activations_vs_unshared"),
+            titles=("forward time / unshared", "training step time / unshared", "activations kept / unshared"))
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write shared_prefix.csv / .md / .png into `out_dir` when given."""
-    started = time.perf_counter()
-    hide_import_notes()
     plan = QUICK if quick else FULL
-    rows = outputs.measured(lambda: measure(plan), "case")
-    title = title_of(plan, quick, time.perf_counter() - started)
-
-    def plot(rows: list[dict], path: str) -> None:
-        outputs.plot_grouped_bars(rows, path, group="case", series="packing",
-                                  values=["forward_vs_unshared", "train_vs_unshared", "activations_vs_unshared"],
-                                  titles=["forward time / unshared", "training step time / unshared",
-                                          "activations kept / unshared"], suptitle=title)
-
-    return outputs.reported(rows, COLUMNS, title, out_dir, "shared_prefix", plot)
+    return run_benchmark("shared_prefix", lambda: measure(plan), "case", COLUMNS,
+                         described(plan), BARS, quick, out_dir)

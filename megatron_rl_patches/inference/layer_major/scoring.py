@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.chunks import has_grad_buffers, is_ddp_like, iter_wrapped, module_chunks, unwrap
 from megatron_rl_patches.inference.layer_major.activation_store import ActivationStats, ActivationStore, check_budget
 from megatron_rl_patches.inference.layer_major.decoder_steps import (
     FINAL_NORM_NAMES,
@@ -31,6 +30,7 @@ from megatron_rl_patches.inference.residency.placement import (
     on_device,
     residency_of,
 )
+from megatron_rl_patches.model.chunks import has_grad_buffers, is_ddp_like, iter_wrapped, module_chunks, unwrap
 
 # keywords score_layer_major sets itself on every call of the model
 _RESERVED_KEYS = ("decoder_input", "inference_context", "inference_params", "output_processor",

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference.chunks import module_chunks, unwrap
 from megatron_rl_patches.inference.loading.errors import (  # noqa: F401 - WeightsMismatchError re-exported
     SHOW,
     CheckpointReadError,
@@ -24,6 +23,7 @@ from megatron_rl_patches.inference.loading.errors import (  # noqa: F401 - Weigh
 )
 from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 from megatron_rl_patches.inference.residency.placement import weights_on_host
+from megatron_rl_patches.model.chunks import module_chunks, unwrap
 
 
 def _model_keys(count: int) -> list[str]:

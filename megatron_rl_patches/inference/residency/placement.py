@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.chunks import as_chunks, has_grad_buffers, unwrap
 from megatron_rl_patches.inference.guard import is_inference_only
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.host_init import move_all_but
 from megatron_rl_patches.inference.residency.storage import HostWeights, device_weight_bytes, log_fallback, nbytes_of
 from megatron_rl_patches.inference.residency.units import Unit, stream_units, whole_unit
+from megatron_rl_patches.model.chunks import as_chunks, has_grad_buffers, unwrap
 from megatron_rl_patches.settings import check_residency
 
 ATTR = "_mrp_residency"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl_patches.inference.chunks import unwrap
+from megatron_rl_patches.model.chunks import unwrap
 
 
 @dataclass(eq=False)

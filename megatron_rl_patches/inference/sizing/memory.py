@@ -12,7 +12,7 @@ import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megatron_rl_patches.inference.chunks import as_chunks, has_grad_buffers
+from megatron_rl_patches.model.chunks import as_chunks, has_grad_buffers
 from megatron_rl_patches.ops.scoring_plan import positive_int
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -16,12 +16,13 @@ import torch
 from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agree, check_inputs
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups, built_groups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.model.chunks import unwrap
 from megatron_rl_patches.ops.agreement import local_error
 from megatron_rl_patches.ops.invariance import resolve_invariant
 
 
 @dataclass(frozen=True)
-class Call:
+class AgreedCall:
     """One agreed call: the model and groups of the chunks, the replica's shapes, the scored
     vocabulary (vocab_size, or the checkpoint's), the temperature and the invariant mode."""
 
@@ -31,14 +32,6 @@ class Call:
     vocab: int
     temperature: float
     invariant: bool
-
-
-def language_model(model: torch.nn.Module) -> Any:
-    """The GPTModel inside `model`'s wrappers."""
-    inner: Any = model
-    while hasattr(inner, "module") and not hasattr(inner, "decoder"):
-        inner = inner.module
-    return inner
 
 
 def _model_and_groups(chunks: Any) -> tuple[torch.nn.Module, TeacherGroups]:
@@ -64,7 +57,7 @@ def _temperature(value: Any) -> float:
 
 def _vocab(value: Any, model: torch.nn.Module) -> tuple[int, int]:
     """(the scored vocabulary: `value` or the checkpoint's, the tokens' bound: the checkpoint's)."""
-    padded = int(language_model(model).vocab_size)
+    padded = int(unwrap(model).vocab_size)
     real = int(getattr(model, "hf_vocab_size", None) or padded)
     if value is None:
         return real, real
@@ -76,7 +69,7 @@ def _vocab(value: Any, model: torch.nn.Module) -> tuple[int, int]:
 
 def enter(what: str, chunks: Any, layout: Any, tokens: Any, others: dict[str, Any], *, temperature: Any = 1.0,
           vocab_size: Any = None, checks: Callable[[torch.nn.Module, int], None] | None = None,
-          match: dict[str, Any] | None = None, invariant: Any = None) -> Call:
+          match: dict[str, Any] | None = None, invariant: Any = None) -> AgreedCall:
     """Checks and agreement of one call of `what` (tokens None: no input, e.g. the output weight).
     `checks(model, vocab)`: the call's own (raising); `match`: its own values that must match;
     `invariant`: the vocabulary ops' mode (None: the setting), agreed like the rest.
@@ -111,4 +104,4 @@ def enter(what: str, chunks: Any, layout: Any, tokens: Any, others: dict[str, An
                   {"temperature": tau, "vocab_size": vocab, "invariant mode (MEGATRON_RL_PATCHES_INVARIANT)": chosen,
                    **(match or {})})
     assert tau is not None and vocab is not None and chosen is not None  # agreed: every rank's checks passed
-    return Call(model, groups, batch, vocab, tau, chosen)
+    return AgreedCall(model, groups, batch, vocab, tau, chosen)

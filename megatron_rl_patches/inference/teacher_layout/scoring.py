@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.inference.residency.placement import forward_device
-from megatron_rl_patches.inference.teacher_layout.entry import enter, language_model
+from megatron_rl_patches.inference.teacher_layout.entry import enter
 from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, gathered
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.pipeline import replica_scores
+from megatron_rl_patches.model.chunks import is_last_stage, unwrap
 from megatron_rl_patches.ops import log_probs_and_entropy, topk_ids, topk_logprobs
 
 
@@ -185,7 +186,7 @@ def select_topk_at_layout(
     def checks(model: torch.nn.Module, vocab: int) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
             raise ValueError(f"k must be an int in [1, {vocab}] (the scored vocabulary), got {k!r}")
-        if int(language_model(model).vocab_size) >= 2 ** 24:
+        if int(unwrap(model).vocab_size) >= 2 ** 24:
             raise ValueError("select_topk_at_layout serves vocabularies below 2**24 ids (its ids travel as float32)")
 
     call = enter("select_topk_at_layout", chunks, layout, tokens, {"labels": labels}, temperature=temperature,
@@ -232,9 +233,9 @@ def hidden_at_layout(chunks: Any, tokens: torch.Tensor, *, layout: TeacherLayout
     own layout, and nothing [T, V]-sized crosses ranks. A collective as score_at_layout."""
     call = enter("hidden_at_layout", chunks, layout, tokens, {})
     model, groups, batch = call.model, call.groups, call.batch
-    inner = language_model(model)
+    inner = unwrap(model)
     width = int(inner.config.hidden_size)
-    swapped = getattr(inner, "post_process", True)  # only the last stage has an output layer
+    swapped = is_last_stage(inner)  # only the last stage has an output layer
     if swapped:
         output_layer = inner.output_layer
         inner.output_layer = _HiddenOut(output_layer)
@@ -257,12 +258,12 @@ def output_weight_at_layout(chunks: Any, *, layout: TeacherLayout | None = None)
     of the teacher's replica (each holds V / tp · hidden of it afterwards, not before)."""
     call = enter("output_weight_at_layout", chunks, layout, None, {})
     model, groups = call.model, call.groups
-    inner = language_model(model)
+    inner = unwrap(model)
     rows, width = int(inner.vocab_size) // groups.tp_size, int(inner.config.hidden_size)
     parameter, device = next(model.parameters()), forward_device(model)
     with torch.no_grad():
         shard = None
-        if getattr(inner, "post_process", True):  # a swap / stream teacher's: its host copy, sent from the device
+        if is_last_stage(inner):  # a swap / stream teacher's: its host copy, sent from the device
             shard = (inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights
                      else inner.output_layer.weight).detach().to(device)
         if groups.pp_size > 1:

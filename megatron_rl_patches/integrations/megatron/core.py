@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from megatron_rl_patches.inference.chunks import as_chunks, is_ddp_like
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
+from megatron_rl_patches.model.chunks import as_chunks, is_ddp_like
 from megatron_rl_patches.reentrant import disable_with, enable_with, model_config
 from megatron_rl_patches.windows import open_auto_windows, overlaps_grad_reduce
 

@@ -1,6 +1,6 @@
 """What a fused output-processor route asks of one megatron-core model chunk, whichever framework
-hands it over: the language model under its wrappers (`unwrap`), whether it is the last pipeline
-stage (`is_last_stage`), whether its `forward` / `build_schedule_plan` takes GPTModel's
+hands it over (the chunk itself, its unwrapping and whether it is the last pipeline stage:
+`model.chunks`): whether its `forward` / `build_schedule_plan` takes GPTModel's
 `output_processor` keyword (`accepts_processor`, `schedule_plan_unservable`), whether its MTP heads
 would still build [T, V] logits (`mtp_heads_build_logits`) and a micro-batch's qkv layout
 (`batch_layout`). slime's fused route (`integrations.slime.fused`) is its caller today."""
@@ -10,23 +10,11 @@ import inspect
 import sys
 from typing import Any
 
+from megatron_rl_patches.model.chunks import is_last_stage, unwrap
 from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
 SCHEDULE_PLAN_FALLBACK = ("the combined-1F1B schedule plan (this megatron-core's model.build_schedule_plan has no "
                           "output_processor keyword; megatron-core >= 0.18 has it)")
-
-
-def unwrap(model: Any) -> Any:
-    """The language model under DDP / Float16Module wrappers (every `.module` link followed)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def is_last_stage(model: Any) -> bool:
-    """Whether this chunk computes the output layer (GPTModel's `post_process`): only the last
-    pipeline stage (per virtual stage with VPP) has log-probs to return."""
-    return bool(getattr(unwrap(model), "post_process", True))
 
 
 def accepts_processor(model: Any, method: str = "forward") -> bool:

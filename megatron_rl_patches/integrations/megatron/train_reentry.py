@@ -48,8 +48,8 @@ def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
 def _helper_chunks(bound: Any) -> list[Any] | None:
     """The chunks a helper was given, or None when it should run unchanged (a call we do not
     understand, or a chunk that is neither DDP-like nor built inference-only)."""
-    from megatron_rl_patches.inference.chunks import as_chunks, is_ddp_like
     from megatron_rl_patches.inference.guard import is_inference_only
+    from megatron_rl_patches.model.chunks import as_chunks, is_ddp_like
 
     if bound is None or bound.arguments.get("model_chunks") is None:
         return None
@@ -62,7 +62,7 @@ def _helper_chunks(bound: Any) -> list[Any] | None:
 
 def enable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """enable_forward_pre_hook(model_chunks): idempotent per chunk."""
-    from megatron_rl_patches.patching.calls import bind
+    from megatron_rl_patches.model.arguments import bind
     from megatron_rl_patches.reentrant import enable_hooks
 
     chunks = _helper_chunks(bind(wrapped, args, kwargs))
@@ -75,7 +75,7 @@ def enable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args
 
 def disable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """disable_forward_pre_hook(model_chunks, param_sync=True): idempotent per chunk."""
-    from megatron_rl_patches.patching.calls import bind
+    from megatron_rl_patches.model.arguments import bind
     from megatron_rl_patches.reentrant import disable_hooks
 
     bound = bind(wrapped, args, kwargs)

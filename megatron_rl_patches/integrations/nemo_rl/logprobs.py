@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.nemo_rl import step as steps
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
 PATCH = "nemo_rl_fused_logprobs"

@@ -23,8 +23,8 @@ from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.nemo_rl import logprobs as fused
 from megatron_rl_patches.integrations.nemo_rl import step as steps
 from megatron_rl_patches.integrations.nemo_rl import vocab_kd
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.ops.topk import topk_kl
-from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.processors.heads import topk_output_processor
 
 PATCH = "nemo_rl_topk_kd"

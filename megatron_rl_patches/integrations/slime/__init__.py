@@ -1,7 +1,7 @@
 """slime (624b824a): its records (`patches`), and the modules that do the work: the log-prob
 adapter (`logprobs`), inference-only roles (`roles`), the fused route (`fused`, slicing with
 slime's helpers in `rows`, top-k buckets in `topk`), the step plan both the fused route and top-k
-OPD use (`step_plan`) and top-k OPD (`opd`; its teachers live on megatron-core in
+OPD use (`fused_step`) and top-k OPD (`opd`; its teachers live on megatron-core in
 `megatron_rl_patches.integrations.megatron.opd`, handed slime's actor as `actor.SlimeActor`;
 the fields and loss terms of teachers with another tokenizer in `cross_loss`).
 
@@ -22,7 +22,9 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 # the teachers with another tokenizer, moved to the cross_tokenizer package (issue 56); the
 # in-process teachers, moved to their megatron-core home (issue 73; slime's host.py: stage_host)
 _HOME = "megatron_rl_patches.integrations.megatron.opd"
-_aliases.install(__name__, {"plan": "megatron_rl_patches.integrations.slime.step_plan",
+# `step_plan`: the fused step's module, named for what it holds (issue 113)
+_aliases.install(__name__, {"plan": "megatron_rl_patches.integrations.slime.fused_step",
+                            "step_plan": "megatron_rl_patches.integrations.slime.fused_step",
                             "cross_teachers": "megatron_rl_patches.cross_tokenizer.teacher_passes",
                             "host": f"{_HOME}.stage_host", **{name: f"{_HOME}.{name}" for name in (
                                 "actor_spec", "cross_passes", "cross_rollout", "expert_agreement", "hf_teachers",

@@ -26,8 +26,8 @@ from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
 )
 from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, student_tokenizer_of
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.slime.fused_step import slime_settings
 from megatron_rl_patches.integrations.slime.rollout_scores import carried_keys
-from megatron_rl_patches.integrations.slime.step_plan import slime_settings
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.context.teacher_context import checked_contexts
 

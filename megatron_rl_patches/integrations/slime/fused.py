@@ -17,21 +17,27 @@ from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.megatron.model_chunk import (
     accepts_processor,
     batch_layout,
-    is_last_stage,
     mtp_heads_build_logits,
     schedule_plan_unservable,
 )
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
-from megatron_rl_patches.integrations.megatron.planned_iterators import carried, planned, planned_schedule
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
+from megatron_rl_patches.integrations.megatron.step_iterators import carried, carrying, schedule_with_step
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.step_plan import PLAN, FusedStep, slime_prefix, slime_settings, step_request
+from megatron_rl_patches.integrations.slime.fused_step import (
+    FUSED_STEP,
+    FusedStep,
+    slime_prefix_pass,
+    slime_settings,
+    step_request,
+)
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
+from megatron_rl_patches.model.chunks import is_last_stage
 from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
@@ -71,7 +77,7 @@ def unservable(args: Any) -> str | None:
 
 
 def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for `forward_only(f, args, model, data_iterator, ...)`: a fused plan when `f` is
+    """wrapt wrapper for `forward_only(f, args, model, data_iterator, ...)`: a fused step when `f` is
     slime's log-prob callback and the configuration is servable, carried by the data iterators."""
     bound = bind(wrapped, args, kwargs)
     if bound is None or carried(bound.arguments.get("data_iterator")) is not None:  # slime's error; slime_opd's pass
@@ -88,9 +94,9 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         return wrapped(*args, **kwargs)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
     model = bound.arguments.get("model")
-    plan = FusedStep(slime_args, with_entropy, False, invariant=student_invariant(model),
-                     prefix=slime_prefix(slime_args, model, "slime's log-prob pass", training=False))
-    return run_planned(plan, wrapped, bound)
+    step = FusedStep(slime_args, with_entropy, False, invariant=student_invariant(model),
+                     prefix=slime_prefix_pass(slime_args, model, "slime's log-prob pass", training=False))
+    return run_fused_step(step, wrapped, bound)
 
 
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -110,62 +116,62 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
         fall_back(reason)
         if request is None:
             return wrapped(*args, **kwargs)
-        return run_planned(FusedStep(slime_args, False, False, request, fused=False, invariant=invariant,
+        return run_fused_step(FusedStep(slime_args, False, False, request, fused=False, invariant=invariant,
                                     settings=settings), wrapped, bound)
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    plan = FusedStep(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings,
-                     prefix=slime_prefix(slime_args, model, "slime's training step", training=True))
-    return run_planned(plan, wrapped, bound)
+    step = FusedStep(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings,
+                     prefix=slime_prefix_pass(slime_args, model, "slime's training step", training=True))
+    return run_fused_step(step, wrapped, bound)
 
 
-def run_planned(plan: FusedStep, wrapped: Any, bound: Any) -> Any:
+def run_fused_step(step: FusedStep, wrapped: Any, bound: Any) -> Any:
     """slime's `forward_only` / `train_one_step` call (`bound` to its signature) with its data
-    iterators carrying `plan`."""
-    bound.arguments["data_iterator"] = planned(bound.arguments.get("data_iterator"), plan)
-    with logged(plan.prefix):
+    iterators carrying `step`."""
+    bound.arguments["data_iterator"] = carrying(bound.arguments.get("data_iterator"), step)
+    with logged(step.prefix):
         return wrapped(*bound.args, **bound.kwargs)
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for slime's `get_batch(data_iterator, keys, ...)`: from a planned iterator,
-    the batch (with the keys a top-k request needs) is noted for the fused model call and carries
-    the plan (key `PLAN`) to the loss."""
+    """wrapt wrapper for slime's `get_batch(data_iterator, keys, ...)`: from an iterator carrying a
+    fused step, the batch (with the keys a top-k request needs) is noted for the fused model call and
+    carries the step (key `FUSED_STEP`) to the loss."""
     bound = bind(wrapped, args, kwargs)
-    plan = None if bound is None else carried(bound.arguments.get("data_iterator"))
-    if bound is None or plan is None:
+    step = None if bound is None else carried(bound.arguments.get("data_iterator"))
+    if bound is None or step is None:
         return wrapped(*args, **kwargs)
-    if plan.topk is not None and plan.topk.keys:
+    if step.topk is not None and step.topk.keys:
         keys = list(bound.arguments["keys"])
-        bound.arguments["keys"] = keys + [key for key in plan.topk.keys if key not in keys]
+        bound.arguments["keys"] = keys + [key for key in step.topk.keys if key not in keys]
     batch = wrapped(*bound.args, **bound.kwargs)
-    plan.batch = batch
+    step.batch = batch
     if isinstance(batch, dict):
-        batch[PLAN] = plan
-        if plan.prefix is not None:  # the model call takes the plan from the batch's packed_seq_params
-            batch["packed_seq_params"] = plan.prefix.params(batch["tokens"], batch["packed_seq_params"],
+        batch[FUSED_STEP] = step
+        if step.prefix is not None:  # the model call takes the shared-prefix plan from the batch's packed_seq_params
+            batch["packed_seq_params"] = step.prefix.params(batch["tokens"], batch["packed_seq_params"],
                                                             len(batch["unconcat_tokens"]))
     return batch
 
 
 def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `get_forward_backward_func()`: the schedule it returns runs slime's
-    forward step with the fused model when its data iterators carry a plan (a plan for slime's
+    forward step with the fused model when its data iterators carry a fused step (one for slime's
     logits path: the model whose logits carry the step's invariant mode)."""
-    return planned_schedule(wrapped(*args, **kwargs), fused_step)
+    return schedule_with_step(wrapped(*args, **kwargs), fused_forward_step)
 
 
-def fused_step(step: Any, plan: FusedStep) -> Any:
+def fused_forward_step(step: Any, fused: FusedStep) -> Any:
     """slime's forward step, given the fused model (whose `build_schedule_plan` serves the
     combined-1F1B schedule where megatron-core's takes `output_processor`)."""
 
     def forward_step(data_iterator: Any, model: Any, *rest: Any, **kwargs: Any) -> Any:
-        if plan.fused and (kwargs.get("return_schedule_plan") or (rest and rest[0] is True)):
+        if fused.fused and (kwargs.get("return_schedule_plan") or (rest and rest[0] is True)):
             reason = schedule_plan_unservable(model)
             if reason is not None:
                 fall_back(reason)
                 return step(data_iterator, model, *rest, **kwargs)
-        return step(data_iterator, FusedModel(model, plan), *rest, **kwargs)
+        return step(data_iterator, FusedModel(model, fused), *rest, **kwargs)
 
     return forward_step
 
@@ -176,8 +182,8 @@ class FusedModel:
     MTP training (slime's `mtp_kwargs`) passes through: the MTP heads' loss goes through the fused
     head (the GPT backport on megatron-core < 0.18, patch `mtp_output_processor` from 0.18 on)."""
 
-    def __init__(self, model: Any, plan: FusedStep):
-        self._model, self._plan = model, plan
+    def __init__(self, model: Any, step: FusedStep):
+        self._model, self._step = model, step
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -197,9 +203,9 @@ class FusedModel:
         if not is_last_stage(self._model):  # its hidden states go to the next stage: the plain call
             return plain(*args, **kwargs)
         called = "model" if method == "forward" else f"model.{method}"
-        if not self._plan.fused:  # a plan for slime's logits path
+        if not self._step.fused:  # a step on slime's logits path
             return self._logits(plain, args, kwargs)
-        batch = self._plan.batch
+        batch = self._step.batch
         if args or batch is None or "input_ids" not in kwargs:
             fall_back(f"a forward step that does not call {called}(input_ids=...) after get_batch")
             return self._logits(plain, args, kwargs)
@@ -208,7 +214,7 @@ class FusedModel:
             return self._logits(plain, args, kwargs)
         layout = batch_layout(kwargs.get("packed_seq_params"))
         if layout != "thd":
-            if getattr(self._plan.args, "allgather_cp", False):
+            if getattr(self._step.args, "allgather_cp", False):
                 raise ValueError(
                     "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
                     f"micro-batch is {layout!r}: drop --allgather-cp or pack as thd")
@@ -226,34 +232,34 @@ class FusedModel:
         """slime's logits path: the logits (a schedule plan: as given) marked with the step's mode."""
         from megatron_rl_patches.integrations.mode_logits import with_mode  # lazy: import cost: torch
 
-        return with_mode(plain(*args, **kwargs), self._plan.invariant)
+        return with_mode(plain(*args, **kwargs), self._step.invariant)
 
     def _fused(self, kwargs: dict, batch: dict, call: Any) -> FusedOutput:
-        plan, tokens = self._plan, kwargs["input_ids"]
-        allgather_cp = bool(getattr(plan.args, "allgather_cp", False))
+        step, tokens = self._step, kwargs["input_ids"]
+        allgather_cp = bool(getattr(step.args, "allgather_cp", False))
         if tokens.dim() != 2 or tokens.size(0) != 1:
             raise ValueError(f"slime_fused: slime packs every micro-batch as [1, T] tokens, got {tuple(tokens.shape)}")
         length = tokens.size(1)
         labels = slime_rows.shifted_targets(batch, length, tokens.device, allgather_cp)
         rows = slime_rows.response_rows(batch, length, tokens.device, allgather_cp)
         # the step's invariant mode, the student's (a teacher's pass too); None: this model's config
-        chunk = getattr(plan.args, "log_probs_chunk_size", -1)
-        options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
+        chunk = getattr(step.args, "log_probs_chunk_size", -1)
+        options: dict[str, Any] = dict(temperature=float(getattr(step.args, "rollout_temperature", 1.0)),
                                        chunk_size=chunk if isinstance(chunk, int) and chunk > 0 else None,
-                                       invariant=plan.invariant)
+                                       invariant=step.invariant)
         real_vocab = real_vocab_size(self._model)
         if real_vocab is not None:  # a model built from a Hugging Face checkpoint: its padding rows get no mass
             options["vocab_size"] = real_vocab
-        processor = log_prob_output_processor(with_entropy=plan.with_entropy,
-                                              entropy_requires_grad=plan.entropy_requires_grad, **options)
+        processor = log_prob_output_processor(with_entropy=step.with_entropy,
+                                              entropy_requires_grad=step.entropy_requires_grad, **options)
         context: dict = {"row_mask": rows[None]}  # the head on response rows (slime's slicing reads no other)
-        if replays_top_p(plan.args):  # the rollout's top-p nuclei (the rank's contiguous rows under allgather CP)
+        if replays_top_p(step.args):  # the rollout's top-p nuclei (the rank's contiguous rows under allgather CP)
             context.update(kept_context(batch, length, tokens.device, allgather_cp) or {})
-        if isinstance(plan.topk, VocabRequest):  # full-vocabulary OPD: a teacher's hidden states, or the divergence
-            processor = vocab_processor(plan.topk, processor, options, batch, length, tokens.device, allgather_cp)
-        elif plan.topk is not None:
-            topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
-            processor = with_topk(processor, plan.topk.k, options, topk_ctx, union=plan.topk.union)
+        if isinstance(step.topk, VocabRequest):  # full-vocabulary OPD: a teacher's hidden states, or the divergence
+            processor = vocab_processor(step.topk, processor, options, batch, length, tokens.device, allgather_cp)
+        elif step.topk is not None:
+            topk_ctx = topk_context(step.topk, batch, length, tokens.device, allgather_cp)
+            processor = with_topk(processor, step.topk.k, options, topk_ctx, union=step.topk.union)
         out = call(**{**kwargs, "labels": labels[None]}, output_processor=fused_output(processor),
                    output_processor_context=context)
         return out if call is not self._model else FusedOutput(out)  # a schedule plan: its node gives it

@@ -8,7 +8,7 @@ import numbers
 
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.patching.calls import adapter_arguments, bind
+from megatron_rl_patches.model.arguments import adapter_arguments, bind
 
 
 def calculate_log_probs_and_entropy(

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
 from megatron_rl_patches.integrations.megatron.opd import (
     hf_teachers,
     hidden_teachers,
@@ -64,19 +63,25 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
 )
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
 from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
-from megatron_rl_patches.integrations.megatron.planned_iterators import planned
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
+from megatron_rl_patches.integrations.megatron.step_iterators import carrying
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
 from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
+from megatron_rl_patches.integrations.slime.fused_step import (
+    FusedStep,
+    fused_step_in,
+    slime_prefix_pass,
+    slime_settings,
+)
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import FusedStep, plan_in, slime_prefix, slime_settings
 from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.model.arguments import bind
+from megatron_rl_patches.model.chunks import unwrap
 from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
-from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
 # TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module
@@ -158,16 +163,16 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
 def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest,
                    fell_back: list, invariant: bool | None = None) -> dict[str, list[torch.Tensor]]:
     """slime's `forward_only` over the rollout with the fused route's top-k request in the step's
-    `invariant` mode, planned on its data iterators (a fallback on this rank noted in `fell_back`)."""
+    `invariant` mode, carried by its data iterators (a fallback on this rank noted in `fell_back`)."""
     # slime is not a dependency: this module imports without it (its tests, the settings checks)
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
-    plan = FusedStep(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant,
-                     prefix=slime_prefix(args, model, "a teacher's pass", training=False))
-    iterator = planned(get_data_iterator(rollout_data), plan)
+    step = FusedStep(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant,
+                     prefix=slime_prefix_pass(args, model, "a teacher's pass", training=False))
+    iterator = carrying(get_data_iterator(rollout_data), step)
     collect = functools.partial(collect_topk, fell_back=fell_back)
-    with logged(plan.prefix):
+    with logged(step.prefix):
         return slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
 
 
@@ -301,11 +306,11 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     """slime's custom loss: POLICY_WEIGHT · slime's policy loss + COEF · the top-k divergence
     between the student and the teachers' mixture (topk_kl; its per-token values averaged per
     sample by slime's `sum_of_sample_mean`), logged as "opd_topk_loss". The settings and the
-    invariant mode are the step's, carried by the batch (`step_plan.PLAN`)."""
+    invariant mode are the step's, carried by the batch (`fused_step.FUSED_STEP`)."""
     from slime.backends.megatron_utils.loss import policy_loss_function  # slime is not a dependency
 
-    plan = plan_in(batch)
-    settings, invariant = (None, None) if plan is None else (plan.settings, plan.invariant)
+    step = fused_step_in(batch)
+    settings, invariant = (None, None) if step is None else (step.settings, step.invariant)
     if settings is not None and settings.full_vocab:
         return vocab_opd.vocab_opd_loss(args, batch, logits, sum_of_sample_mean, settings)
     if settings is None or (batch.get(TEACHER_LOGPROBS) is None and batch.get(CROSS_RATIO) is None):

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.megatron.opd.frozen_role import hf_role, provider_role
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.patching import env
-from megatron_rl_patches.patching.calls import bind
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

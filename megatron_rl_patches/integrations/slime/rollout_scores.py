@@ -41,8 +41,8 @@ from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
     ask_rows,
     rollout_entries,
 )
-from megatron_rl_patches.integrations.slime.step_plan import slime_settings
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.integrations.slime.fused_step import slime_settings
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.settings import SELECT
 
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path

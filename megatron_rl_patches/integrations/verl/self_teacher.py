@@ -46,8 +46,9 @@ import torch
 from megatron_rl_patches.integrations.context_fields import privileged_batch, tokenizer_vocab
 from megatron_rl_patches.integrations.verl.old_rows import old_rows_of, sample_key
 from megatron_rl_patches.integrations.verl.self_entry import WHO
-from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
+from megatron_rl_patches.integrations.verl.vocab import output_weight, response_starts
 from megatron_rl_patches.integrations.verl.vocab_context import field_values
+from megatron_rl_patches.model.chunks import unwrap
 from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 from megatron_rl_patches.processors.distill import hidden_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
@@ -112,7 +113,7 @@ def student_pass(model: Any, sequence_parallel: int) -> Any:
     (the final hidden states, sequence parallelism gathered: no logits); the hidden states of its
     response rows and the output weight (this rank's vocabulary shard)."""
     device = next(model.parameters()).device
-    weight = output_weight(core_model(model))
+    weight = output_weight(unwrap(model))
 
     def run(privileged: TeacherBatch) -> StudentHidden:
         out = []
@@ -175,7 +176,7 @@ def remember_old_rows(batch: Any, model: Any, instance: Any, named: tuple[str, s
     A micro-batch without the context field or the agent loop's placeholder rows is not scored
     (its update scores it then); the decision and any refusal agreed over the tensor-parallel group."""
     key, tokenizer = named
-    core = core_model(model)
+    core = unwrap(model)
     group = output_tp_group(core.output_layer)
     error: Exception | None = None
     privileged = None
@@ -201,7 +202,7 @@ def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named
     self-teacher's on the privileged sequences: the old-log-prob pass's rows where every sample
     of the micro-batch has them on every tensor-parallel rank, else scored now (the module's note)."""
     key, tokenizer = named
-    core = core_model(model)
+    core = unwrap(model)
     group = output_tp_group(core.output_layer)
     error: Exception | None = None
     privileged = None

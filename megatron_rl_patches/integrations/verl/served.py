@@ -45,8 +45,8 @@ from megatron_rl_patches.integrations.context_fields import field_contexts, toke
 from megatron_rl_patches.integrations.verl.entry import VerlTeacher, verl_teacher
 from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.ops.scoring_plan import ScoringPlan
-from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.settings import VERL_TEACHER
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.teacher_context import with_context

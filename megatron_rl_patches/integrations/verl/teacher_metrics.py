@@ -27,7 +27,7 @@ from typing import Any
 
 from megatron_rl_patches.integrations.verl.entry import verl_teacher
 from megatron_rl_patches.integrations.verl.held import peek
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.teachers.step.metrics import flat, served_summed
 
 KEY = "megatron_rl_patches_teacher"

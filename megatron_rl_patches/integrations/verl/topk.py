@@ -22,9 +22,9 @@ from megatron_rl_patches.integrations.verl.entry import verl_teacher
 from megatron_rl_patches.integrations.verl.old_rows import old_rows_of
 from megatron_rl_patches.integrations.verl.self_teacher import remember_old_rows, self_taught
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
-from megatron_rl_patches.patching.calls import bind
 
 # the micro-batch key (a non-tensor value) under which the patched engine step hands the top-k loss
 # the student's invariant mode: verl's loss gets the micro-batch, never the model

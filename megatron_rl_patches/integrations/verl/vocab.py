@@ -37,6 +37,7 @@ from megatron_rl_patches.integrations.verl.entry import VerlTeacher
 from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.rows import response_lengths
 from megatron_rl_patches.integrations.verl.vocab_context import agreed_privileged_batch
+from megatron_rl_patches.model.chunks import is_last_stage, unwrap
 from megatron_rl_patches.ops.scoring_plan import VOCAB, ScoringPlan
 from megatron_rl_patches.processors.distill import divergence_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
@@ -45,13 +46,6 @@ from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.entry import TeacherEntry
 
 WHO = f"verl_topk_kd ({VERL_TEACHER} with head=)"
-
-
-def core_model(model: Any) -> Any:
-    """The GPTModel inside verl's wrappers (DDP, Float16Module: `.module`)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def output_weight(core: Any) -> torch.Tensor:
@@ -199,8 +193,7 @@ def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any, named: Ver
 
     def forward_step(batch_iter: Any, model: Any, *rest: Any, **options: Any) -> Any:
         entry = named.head
-        core = core_model(model)
-        if entry is None or not getattr(core, "post_process", True):
+        if entry is None or not is_last_stage(model):
             return wrapped(batch_iter, model, *rest, **options)
         from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
 
@@ -209,6 +202,7 @@ def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any, named: Ver
         if not (tu.get_non_tensor_data(batch, "distillation_use_topk", False) and fused):
             return wrapped(iter([batch]), model, *rest, **options)
         check_layout(batch)
+        core = unwrap(model)
         weight = output_weight(core)
         group = output_tp_group(core.output_layer)
         head = student_layout_head(entry.head, weight, group, WHO)  # type: ignore[arg-type]

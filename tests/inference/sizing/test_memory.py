@@ -152,7 +152,7 @@ def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron
     assert bf16.counted_grad_buffer == 4 * n
 
     # the shared chunk helpers on real wrappers: both DDP checks hold on DDP only, unwrap strips both
-    from megatron_rl_patches.inference.chunks import has_grad_buffers, is_ddp_like, iter_wrapped, unwrap
+    from megatron_rl_patches.model.chunks import has_grad_buffers, is_ddp_like, iter_wrapped, unwrap
 
     assert is_ddp_like(ddp16) and has_grad_buffers(ddp16)
     assert not is_ddp_like(wrapped) and not has_grad_buffers(wrapped)

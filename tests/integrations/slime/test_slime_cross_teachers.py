@@ -152,20 +152,20 @@ def test_teacher_sample_whole_sequence_cut_to_responses(qwen3, deepseek):
 def test_micro_batches_under_the_student_budget():
     budget = ct.student_budget([10, 12, 7, 9], [[0, 1], [2, 3]])
     assert budget == 22
-    assert ct.plan_micro_batches([11, 11, 5, 30, 4], budget) == [[0, 1], [2], [3], [4]]
+    assert ct.split_micro_batches([11, 11, 5, 30, 4], budget) == [[0, 1], [2], [3], [4]]
     with pytest.raises(ValueError, match="budget"):
-        ct.plan_micro_batches([1], 0)
+        ct.split_micro_batches([1], 0)
     # at least as many as the student's (an interleaved pipeline asks a minimum): the largest split
-    assert ct.plan_micro_batches([3, 3, 3, 3], 100, at_least=2) == [[0, 1], [2, 3]]
-    assert ct.plan_micro_batches([3, 3, 9], 100, at_least=3) == [[0], [1], [2]]
-    assert ct.plan_micro_batches([5], 100, at_least=2) == [[0]]  # one sample cannot be split
-    assert ct.plan_passes([6, 6], 12) == ct.PassPlan([[0, 1]], [])
+    assert ct.split_micro_batches([3, 3, 3, 3], 100, at_least=2) == [[0, 1], [2, 3]]
+    assert ct.split_micro_batches([3, 3, 9], 100, at_least=3) == [[0], [1], [2]]
+    assert ct.split_micro_batches([5], 100, at_least=2) == [[0]]  # one sample cannot be split
+    assert ct.pass_batches([6, 6], 12) == ct.PassBatches([[0, 1]], [])
     # more micro-batches than the samples split into (agreed with other expert-parallel ranks): the
     # shortest sample repeated alone; its values dropped, the repeat given its source's inputs
-    plan = ct.plan_passes([6, 4], 100, at_least=4)
-    assert plan == ct.PassPlan([[0], [1], [2], [3]], [1, 1])
+    plan = ct.pass_batches([6, 4], 100, at_least=4)
+    assert plan == ct.PassBatches([[0], [1], [2], [3]], [1, 1])
     assert plan.padded(["a", "b"]) == ["a", "b", "b", "b"] and plan.unpadded([0, 1, 2, 3]) == [0, 1]
-    assert ct.plan_passes([], 100, at_least=2) == ct.PassPlan([], [])
+    assert ct.pass_batches([], 100, at_least=2) == ct.PassBatches([], [])
 
 
 def test_slimes_rollout_of_the_teachers_passes():
@@ -173,12 +173,12 @@ def test_slimes_rollout_of_the_teachers_passes():
     from megatron_rl_patches.integrations.megatron.opd.cross_rollout import teacher_rollout
 
     sample = ct.TeacherSample(torch.arange(6), 2, None)
-    rollout = teacher_rollout([sample, sample], ct.plan_passes([6, 6], 12))
+    rollout = teacher_rollout([sample, sample], ct.pass_batches([6, 6], 12))
     assert rollout["micro_batch_indices"] == [[0, 1]] and rollout["num_microbatches"] == [1]
     assert rollout["total_lengths"] == [6, 6] and rollout["response_lengths"] == [2, 2]
     assert rollout["loss_masks"][0].tolist() == [1, 1]
     short = ct.TeacherSample(torch.arange(4), 1, None)
-    rollout = teacher_rollout([sample, short], ct.plan_passes([6, 4], 100, at_least=4))
+    rollout = teacher_rollout([sample, short], ct.pass_batches([6, 4], 100, at_least=4))
     assert rollout["micro_batch_indices"] == [[0], [1], [2], [3]] and rollout["num_microbatches"] == [4]
     assert rollout["total_lengths"] == [6, 4, 4, 4] and rollout["tokens"][3] is short.tokens
 

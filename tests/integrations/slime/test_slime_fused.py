@@ -53,7 +53,7 @@ def test_routing_replay_and_top_p_replay_are_served(monkeypatch):
 def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
     seen = []
     plan = slime_fused.FusedStep(_args(), True, False)
-    step = slime_fused.fused_step(lambda it, model, **kw: seen.append(model), plan)
+    step = slime_fused.fused_forward_step(lambda it, model, **kw: seen.append(model), plan)
     real = object()
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         step(None, real, return_schedule_plan=True)
@@ -92,7 +92,7 @@ def test_schedule_plan_with_a_processor_keyword_gets_the_fused_model(caplog, mon
                                          packed_seq_params=types.SimpleNamespace(qkv_format="thd"))
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        assert slime_fused.fused_step(forward_step, plan)(None, inner, return_schedule_plan=True) == "plan"
+        assert slime_fused.fused_forward_step(forward_step, plan)(None, inner, return_schedule_plan=True) == "plan"
     assert not [r for r in caplog.records if "slime_fused:" in r.getMessage()]
     (built,) = inner.plans
     assert torch.equal(built["labels"], torch.arange(3)[None]) and built["context"]["row_mask"].all()
@@ -203,7 +203,7 @@ def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeyp
     carrying the step's invariant mode (the setting here: unset, False) to slime's log-prob code."""
     from megatron_rl_patches.integrations.megatron.opd.topk_request import TopkRequest
     from megatron_rl_patches.integrations.mode_logits import mode_of
-    from megatron_rl_patches.integrations.slime.step_plan import plan_in
+    from megatron_rl_patches.integrations.slime.fused_step import fused_step_in
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     request = TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
@@ -223,8 +223,8 @@ def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeyp
         seen["schedule"] = slime_fused.schedule_wrapper(lambda: schedule, None, (), {})(
             forward_step_func=forward_step, data_iterator=data_iterator)
         seen["batch"] = slime_fused.get_batch_wrapper(get_batch, None, (data_iterator[0], ["tokens"]), {})
-        seen["plan"] = plan_in(seen["batch"])
-        seen["batch"].pop("megatron_rl_patches_step_plan", None)
+        seen["plan"] = fused_step_in(seen["batch"])
+        seen["batch"].pop("megatron_rl_patches_fused_step", None)
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, [object()],
@@ -248,11 +248,11 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
     parsed again by the loss of every micro-batch."""
     import threading
 
-    from megatron_rl_patches.integrations.slime import step_plan
-    from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST, plan_in
+    from megatron_rl_patches.integrations.slime import fused_step
+    from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST, fused_step_in
 
     parsed = []
-    monkeypatch.setattr(step_plan, "opd_settings", lambda: parsed.append(1) or "settings")
+    monkeypatch.setattr(fused_step, "opd_settings", lambda: parsed.append(1) or "settings")
     monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: STEP_REQUEST)
     seen: dict = {"batches": []}
 
@@ -277,7 +277,7 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
     slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), 0, 0, iterators, ["chunk0", "chunk1"], None),
                                        {})
     assert [batch["from"] for batch in seen["batches"]] == [0, 1]
-    plans = [plan_in(batch) for batch in seen["batches"]]
+    plans = [fused_step_in(batch) for batch in seen["batches"]]
     assert plans[0] is plans[1] and plans[0].topk is STEP_REQUEST and plans[0].settings == "settings"
     assert all(batch["keys"] == ["tokens", *STEP_REQUEST.keys] for batch in seen["batches"])
     assert isinstance(seen["model"], slime_fused.FusedModel) and parsed == [1]
@@ -285,14 +285,14 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
 
 def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypatch):
     """Issue 73 item 5, issue 107: top-k OPD's settings are read once at slime's door, per slime
-    `args` (`step_plan.slime_settings`, held by it): every `train_one_step` of the actor's
+    `args` (`fused_step.slime_settings`, held by it): every `train_one_step` of the actor's
     `train_actor` reads the same (None: top-k OPD off, not parsed again either); slime's metrics
     never see them; another `args` reads its own. Before: parsed again by each train_one_step."""
-    from megatron_rl_patches.integrations.megatron.planned_iterators import carried
-    from megatron_rl_patches.integrations.slime import opd, step_plan
+    from megatron_rl_patches.integrations.megatron.step_iterators import carried
+    from megatron_rl_patches.integrations.slime import fused_step, opd
 
     parsed: list = []
-    monkeypatch.setattr(step_plan, "opd_settings", lambda: parsed.append("parsed"))  # top-k OPD off: None
+    monkeypatch.setattr(fused_step, "opd_settings", lambda: parsed.append("parsed"))  # top-k OPD off: None
     plans: list = []
 
     def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
@@ -319,19 +319,19 @@ def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypat
     assert parsed == ["parsed", "parsed"]  # another args namespace: read at its own door
 
 
-def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
+def test_an_iterator_carrying_a_step_is_slimes_iterator_and_copies():
     """Every attribute but the plan is the wrapped iterator's; a copy keeps both (no recursion
     through the wrapped one while the copy is built)."""
     import copy
 
-    from megatron_rl_patches.integrations.megatron.planned_iterators import carried, planned
+    from megatron_rl_patches.integrations.megatron.step_iterators import carried, carrying
 
     plan = slime_fused.FusedStep(_args(), True, False)
     inner = types.SimpleNamespace(offset=3, micro_batch_indices=[[0], [1]])
-    (wrapped,) = planned([inner], plan)
+    (wrapped,) = carrying([inner], plan)
     assert wrapped.offset == 3 and wrapped.micro_batch_indices == [[0], [1]] and carried([wrapped]) is plan
     assert carried(copy.copy(wrapped)) is plan and copy.copy(wrapped).offset == 3
-    assert carried([inner]) is None and planned([inner], None) == [inner]
+    assert carried([inner]) is None and carrying([inner], None) == [inner]
 
 
 @pytest.mark.megatron
@@ -343,8 +343,8 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     from megatron.core.packed_seq_params import PackedSeqParams
 
     import megatron_rl_patches
+    from megatron_rl_patches.integrations.slime import fused_step as slime_plan
     from megatron_rl_patches.integrations.slime import rows
-    from megatron_rl_patches.integrations.slime import step_plan as slime_plan
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # as slime's lane runs megatron-core 0.16
     length = 8

@@ -62,28 +62,28 @@ def _config_dir(root, name, **overrides):
 
 def test_the_route_follows_the_shape_of_the_model(tmp_path):
     args, what = _actor_args(), "teacher"
-    assert hf_teachers.local_route(_config_dir(tmp_path, "same"), args, what) == (hf_teachers.SNAPSHOT, [])
-    route, differences = hf_teachers.local_route(_config_dir(tmp_path, "other", **OTHER), args, what)
+    assert hf_teachers.local_loading(_config_dir(tmp_path, "same"), args, what) == (hf_teachers.SNAPSHOT, [])
+    route, differences = hf_teachers.local_loading(_config_dir(tmp_path, "other", **OTHER), args, what)
     assert route == hf_teachers.HF
     assert differences == ["hidden_size: teacher 48, actor 32", "num_hidden_layers: teacher 4, actor 2",
                            "intermediate_size: teacher 64, actor 48"]
     # the same sizes, another family: Llama has no q/k norm
-    assert hf_teachers.local_route(_config_dir(tmp_path, "llama", kind="llama"), args, what) == \
+    assert hf_teachers.local_loading(_config_dir(tmp_path, "llama", kind="llama"), args, what) == \
         (hf_teachers.HF, ["qk_norm: teacher False, actor True"])
-    route, differences = hf_teachers.local_route(_config_dir(tmp_path, "moe", kind="qwen3_moe"), args, what)
+    route, differences = hf_teachers.local_loading(_config_dir(tmp_path, "moe", kind="qwen3_moe"), args, what)
     assert route == hf_teachers.HF and "num_experts: teacher 4, actor 0" in differences
     vocab = _config_dir(tmp_path, "vocab", vocab_size=VOCAB + 1)
-    assert hf_teachers.local_route(vocab, args, what)[0] == hf_teachers.HF
+    assert hf_teachers.local_loading(vocab, args, what)[0] == hf_teachers.HF
     # the same shapes, another RoPE base: slime's route would run it with the actor's
     rope = _config_dir(tmp_path, "rope", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    assert hf_teachers.local_route(rope, _actor_args(rotary_base=10000, norm_epsilon=1e-6), what) == \
+    assert hf_teachers.local_loading(rope, _actor_args(rotary_base=10000, norm_epsilon=1e-6), what) == \
         (hf_teachers.HF, ["rope_theta: teacher 1000000.0, actor 10000"])
     # Megatron checkpoints and paths slime's own loader reports on stay slime's
     megatron = tmp_path / "megatron"
     megatron.mkdir()
     (megatron / "latest_checkpointed_iteration.txt").write_text("3")
-    assert hf_teachers.local_route(str(megatron), args, what)[0] == hf_teachers.SNAPSHOT
-    assert hf_teachers.local_route(str(tmp_path / "missing"), args, what)[0] == hf_teachers.SNAPSHOT
+    assert hf_teachers.local_loading(str(megatron), args, what)[0] == hf_teachers.SNAPSHOT
+    assert hf_teachers.local_loading(str(tmp_path / "missing"), args, what)[0] == hf_teachers.SNAPSHOT
 
 
 def test_an_unserved_family_of_another_shape_is_refused_one_of_the_same_shape_is_slimes(tmp_path):
@@ -92,9 +92,9 @@ def test_an_unserved_family_of_another_shape_is_refused_one_of_the_same_shape_is
     gemma.mkdir()
     (gemma / "config.json").write_text(json.dumps({**tiny_hf_config(), "model_type": "gemma3", "hidden_size": 64}))
     with pytest.raises(UnsupportedCheckpointError, match="model_type 'gemma3'.*not served"):
-        hf_teachers.local_route(str(gemma), args, "teacher")
+        hf_teachers.local_loading(str(gemma), args, "teacher")
     (gemma / "config.json").write_text(json.dumps({**tiny_hf_config(), "model_type": "gemma3"}))
-    assert hf_teachers.local_route(str(gemma), args, "teacher")[0] == hf_teachers.SNAPSHOT
+    assert hf_teachers.local_loading(str(gemma), args, "teacher")[0] == hf_teachers.SNAPSHOT
 
 
 def test_hugging_face_files_instead_of_their_directory_are_refused_naming_the_variable(tmp_path):
@@ -130,10 +130,10 @@ def test_ranks_that_see_the_path_differently_all_fail(tmp_path, monkeypatch):
     """The agreement itself (gloo is single-rank here): a rank whose MIN and MAX differ raises."""
     monkeypatch.setattr(hf_teachers, "_agreed", lambda code: (0, 1))
     with pytest.raises(ValueError, match="the ranks see it differently"):
-        hf_teachers.teacher_route(_config_dir(tmp_path, "other", **OTHER), _actor_args(), "teacher")
+        hf_teachers.teacher_loading(_config_dir(tmp_path, "other", **OTHER), _actor_args(), "teacher")
     monkeypatch.setattr(hf_teachers, "_agreed", lambda code: (0, 2))
     with pytest.raises(ValueError, match="another rank refused it"):
-        hf_teachers.teacher_route(_config_dir(tmp_path, "same"), _actor_args(), "teacher")
+        hf_teachers.teacher_loading(_config_dir(tmp_path, "same"), _actor_args(), "teacher")
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import torch
 from megatron_rl_patches.integrations.megatron.opd import teacher_builders
 from megatron_rl_patches.integrations.megatron.opd import topk_request as keys
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, Teacher, opd_settings
+from megatron_rl_patches.integrations.slime import fused_step as plan
 from megatron_rl_patches.integrations.slime import opd as slime_opd
-from megatron_rl_patches.integrations.slime import step_plan as plan
 from megatron_rl_patches.ops.packing import packed_ids
 
 P = "MEGATRON_RL_PATCHES_OPD_"

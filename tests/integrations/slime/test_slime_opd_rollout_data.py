@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.megatron.opd import topk_request as keys
-from megatron_rl_patches.integrations.slime import step_plan as plan
+from megatron_rl_patches.integrations.slime import fused_step as plan
 
 RESPONSES, K, TEACHERS = (3, 5), 4, 2
 

@@ -28,7 +28,7 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (  # noqa
 )
 from megatron_rl_patches.integrations.slime import opd  # noqa: E402
 from megatron_rl_patches.integrations.slime.actor import SlimeActor  # noqa: E402
-from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST  # noqa: E402
+from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
     lm_head_topk_ids,
@@ -182,7 +182,7 @@ def old_route(actor, data, teacher, settings, student_log_probs):
     samples = [ct.teacher_sample(t, int(r), m, teacher.pair.student_tokenizer, teacher.pair.tokenizer)
                for t, r, m in zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
     budget = ct.student_budget(data["total_lengths"], data["micro_batch_indices"])
-    own = teacher_rollout(samples, ct.plan_passes([s.tokens.numel() for s in samples], budget,
+    own = teacher_rollout(samples, ct.pass_batches([s.tokens.numel() for s in samples], budget,
                                                   len(data["micro_batch_indices"])))
     first = topk_pass(actor.args, model, own, opd.TopkRequest(k=settings.k))
     buckets = [ct.chunk_start_buckets(ids, s.alignment, teacher.pair.shared) for ids, s in zip(first["topk_ids"],

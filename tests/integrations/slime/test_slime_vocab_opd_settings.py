@@ -13,8 +13,8 @@ from megatron_rl_patches.integrations.megatron.opd import hidden_teachers
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, opd_settings
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import SeparateTeacher, SnapshotTeacher
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
+from megatron_rl_patches.integrations.slime import fused_step as plan
 from megatron_rl_patches.integrations.slime import opd as slime_opd
-from megatron_rl_patches.integrations.slime import step_plan as plan
 
 P = "MEGATRON_RL_PATCHES_OPD_"
 HEAD = "http://t:1;engine=vllm;head=/dirs/teacher"

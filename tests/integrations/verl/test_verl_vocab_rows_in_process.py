@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_rl_patches.integrations.verl import vocab
+from megatron_rl_patches.model.chunks import unwrap
 
 
 def nested(parts: list[list[int]]) -> torch.Tensor:
@@ -60,7 +61,7 @@ def test_the_teachers_states_sit_at_verls_packed_rows():
 def test_the_model_and_its_output_weight_inside_verls_wrappers():
     own = torch.ones(3, 2)
     core = SimpleNamespace(share_embeddings_and_output_weights=False, output_layer=SimpleNamespace(weight=own))
-    assert vocab.core_model(SimpleNamespace(module=SimpleNamespace(module=core))) is core
+    assert unwrap(SimpleNamespace(module=SimpleNamespace(module=core))) is core
     assert vocab.output_weight(core) is own
     tied = torch.zeros(3, 2)
     shared = SimpleNamespace(share_embeddings_and_output_weights=True, shared_embedding_or_output_weight=lambda: tied,

@@ -22,7 +22,7 @@ from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_
 from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, stage_host
 from megatron_rl_patches.integrations.megatron.opd.teacher_builders import BUILDERS
 from megatron_rl_patches.integrations.slime import opd
-from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST
+from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST
 from megatron_rl_patches.ops.topk import log1mexp
 from megatron_rl_patches.teachers import ServedTeacherError
 from megatron_rl_patches.teachers.kinds import parse_entry

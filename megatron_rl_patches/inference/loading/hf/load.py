@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference.chunks import module_chunks, unwrap
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
@@ -22,6 +21,7 @@ from megatron_rl_patches.inference.loading.hf.fused_experts import readable_inde
 from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, check_counts, checkpoint_tensors
 from megatron_rl_patches.inference.loading.hf.shard_ranks import ShardRanks, parallel_state_ranks
 from megatron_rl_patches.inference.residency.placement import weights_on_host
+from megatron_rl_patches.model.chunks import module_chunks, unwrap
 
 
 def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.chunks import unwrap
 from megatron_rl_patches.inference.loading.errors import copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
 from megatron_rl_patches.inference.loading.hf.extras import install_hint
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES
 from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
 from megatron_rl_patches.inference.residency.placement import weights_on_host
+from megatron_rl_patches.model.chunks import unwrap
 
 EXTRA = install_hint("mbridge", "mbridge==0.15.1 einops 'transformers>=5,<6'")
 # the families whose mbridge bridge maps onto the local-spec build of this package

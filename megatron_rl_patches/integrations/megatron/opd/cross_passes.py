@@ -117,8 +117,8 @@ class CrossTokenizerTeacher(OpdTeacher):
         lengths = [s.tokens.numel() for s in samples]
         # at least the student's count (a pipeline schedule's minimum); with expert parallelism as many
         # as every data-parallel rank's (the MoE dispatchers' collectives pair the ranks' forwards up)
-        planned = len(ct.plan_micro_batches(lengths, budget, len(rollout_data["micro_batch_indices"])))
-        plan = ct.plan_passes(lengths, budget, expert_agreement.agreed_micro_batches(
+        planned = len(ct.split_micro_batches(lengths, budget, len(rollout_data["micro_batch_indices"])))
+        plan = ct.pass_batches(lengths, budget, expert_agreement.agreed_micro_batches(
             max(planned, len(rollout_data["micro_batch_indices"]))))
         own = teacher_rollout(samples, plan)
         first = run(own, TopkRequest(k=settings.top_k))

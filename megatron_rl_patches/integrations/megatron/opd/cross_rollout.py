@@ -1,5 +1,5 @@
 """slime's rollout fields for the own passes of a teacher with another tokenizer: its samples
-(`cross_tokenizer.TeacherSample`) and their micro-batches (`cross_tokenizer.teacher_passes.PassPlan`)
+(`cross_tokenizer.TeacherSample`) and their micro-batches (`cross_tokenizer.teacher_passes.PassBatches`)
 in the keys slime's forward_only reads."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.cross_tokenizer.teacher_passes import PassPlan, TeacherSample
+from megatron_rl_patches.cross_tokenizer.teacher_passes import PassBatches, TeacherSample
 
 
-def teacher_rollout(samples: Sequence[TeacherSample], plan: PassPlan) -> dict[str, Any]:
+def teacher_rollout(samples: Sequence[TeacherSample], plan: PassBatches) -> dict[str, Any]:
     """The teacher's ids, lengths, loss masks (every response token) and micro-batches, its
     repeated samples included (`plan.padded`)."""
     every = plan.padded(samples)

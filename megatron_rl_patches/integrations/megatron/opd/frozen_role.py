@@ -2,7 +2,7 @@
 inference-only on the actor's split for any Megatron host: no grad buffer, no optimizer, at the
 entry's residency; from a Hugging Face directory of another architecture than the actor's by its
 own config.json (`hf_role`), or from the host's model provider with the weights its loader reads
-(`provider_role`). At its own layout (`role;tp=N`): `layout_role`. The host decides the route and
+(`provider_role`). At its own layout (`role;tp=N`): `layout_role`. The host decides the loading and
 supplies the provider and the loader (slime: `integrations.slime.roles`)."""
 # lazy imports: optional dependency megatron-core (a role's build)
 from __future__ import annotations
@@ -20,8 +20,8 @@ def hf_role(run_args: Any, role: str, path: str, residency: str) -> list[Any] | 
     from megatron_rl_patches.integrations.megatron.opd import hf_teachers
 
     what = f"role {role!r}: weights {path!r}"
-    route, differences = hf_teachers.teacher_route(path, run_args, what)
-    if route != hf_teachers.HF:
+    loading, differences = hf_teachers.teacher_loading(path, run_args, what)
+    if loading != hf_teachers.HF:
         return None
     hf_teachers.check_allgather_cp(run_args, what)  # megatron-core's thd RoPE cuts in zigzag
     student = hf_teachers.student_vocab(run_args, getattr(run_args, "padded_vocab_size", None) or 0)

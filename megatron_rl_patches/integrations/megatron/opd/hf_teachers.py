@@ -7,7 +7,7 @@ built, and the build.
 
 Every rank reads the files; they agree on each decision by a collective before acting on it, so a
 rank that sees another file system fails with the others instead of leaving them waiting."""
-# lazy imports: import cost: torch loads where a teacher is built or the ranks agree; the route decision loads none
+# lazy imports: import cost: torch loads where a teacher is built or the ranks agree; the loading decision loads none
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,15 +20,16 @@ from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
 from megatron_rl_patches.integrations.megatron.opd.actor_spec import actor_layer_spec, spec_core_attention
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import OWN_TOKENIZER, TEACHERS
 from megatron_rl_patches.integrations.megatron.opd.teacher_shape import shape_differences
+from megatron_rl_patches.model.chunks import unwrap
 
 SNAPSHOT, HF = "snapshot", "hf"
-_ROUTES = (SNAPSHOT, HF)
+_LOADINGS = (SNAPSHOT, HF)
 
 
-def local_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
-    """(route, differences) of a `PATH` teacher as this rank sees the file: a Hugging Face
+def local_loading(path: str, args: Any, what: str) -> tuple[str, list[str]]:
+    """(loading, differences) of a `PATH` teacher as this rank sees the file: a Hugging Face
     directory whose config.json differs from the actor -> HF; anything else -> slime's snapshot
-    route (slime's load_checkpoint: Megatron checkpoints, Hugging Face directories of the
+    loading (slime's load_checkpoint: Megatron checkpoints, Hugging Face directories of the
     actor's architecture). A Hugging Face file (config.json, *.safetensors) instead of its
     directory, a hub cache folder (models--ORG--NAME), or a directory of safetensors without
     config.json, is refused (`what` names the setting, e.g. "MEGATRON_RL_PATCHES_OPD_TEACHERS:
@@ -61,24 +62,24 @@ def _agreed(code: int) -> tuple[int, int]:
     return agreement.agreed_range(agreement.world(), code)
 
 
-def teacher_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
-    """`local_route`, agreed by every rank first: a rank whose check failed raises its own error,
+def teacher_loading(path: str, args: Any, what: str) -> tuple[str, list[str]]:
+    """`local_loading`, agreed by every rank first: a rank whose check failed raises its own error,
     the others name the disagreement, and ranks that decided differently all raise."""
     error: Exception | None = None
     try:
-        route, differences = local_route(path, args, what)
-        code = _ROUTES.index(route)
+        loading, differences = local_loading(path, args, what)
+        code = _LOADINGS.index(loading)
     except (ValueError, OSError) as exc:
-        error, route, differences, code = exc, SNAPSHOT, [], len(_ROUTES)
+        error, loading, differences, code = exc, SNAPSHOT, [], len(_LOADINGS)
     low, high = _agreed(code)
     if error is not None:
         raise error
-    if high == len(_ROUTES):
+    if high == len(_LOADINGS):
         raise ValueError(f"{what}: another rank refused it (its error is in that rank's log)")
     if low != high:
         raise ValueError(f"{what}: the ranks see it differently (a Hugging Face directory of another "
                          "architecture on some, not on others): every node needs the same files")
-    return route, differences
+    return loading, differences
 
 
 def check_allgather_cp(args: Any, what: str) -> None:
@@ -160,9 +161,7 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
     for chunk in chunks:
         # one tokenizer padded to another vocab_size than the student's: no mass beyond the shared ids
         setattr(chunk, "hf_vocab_size", min(shared, int(getattr(chunk, "hf_vocab_size"))))  # noqa: B009, B010
-        inner: Any = chunk
-        while hasattr(inner, "module"):
-            inner = inner.module
+        inner = unwrap(chunk)
         for name in SCHEDULE_FIELDS:
             if hasattr(actor_config, name):
                 setattr(inner.config, name, getattr(actor_config, name))

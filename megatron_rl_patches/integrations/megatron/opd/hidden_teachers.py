@@ -34,6 +34,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     VocabRequest,
 )
 from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_of_whole
+from megatron_rl_patches.model.chunks import unwrap
 from megatron_rl_patches.teachers.head.padding import head_padded_as
 
 
@@ -153,6 +154,4 @@ def check_loaded(actor: Any, teachers: list[OpdTeacher]) -> None:
 
 
 def _padded_vocab(chunk: Any) -> int:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return int(chunk.vocab_size)
+    return int(unwrap(chunk).vocab_size)

@@ -6,7 +6,7 @@ memory). slime's log-prob passes of that role are served by `layout_role_pass` t
 
 What it cannot serve is refused by name on every rank before anything loads (`check_role_layout`):
 a world the size does not divide, a Megatron checkpoint or a Hugging Face directory of the actor's
-architecture (slime's own route: the actor's provider and loader, in the student's groups), a
+architecture (slime's own loading: the actor's provider and loader, in the student's groups), a
 student with pipeline or context parallelism, a megatron-core without ProcessGroupCollection."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def where(role: str, tp: int) -> str:
 
 def check_role_layout(run_args: Any, role: str, tp: int, path: str, step: int | None) -> None:
     """ValueError naming the role's entry for what a role at its own layout does not serve (the
-    same on every rank: the route is agreed by a collective, the rest is the same everywhere)."""
+    same on every rank: the loading is agreed by a collective, the rest is the same everywhere)."""
     # lazy: import cost: layout_role_pass imports `where` from here, and the patch records import it without torch
     import torch
 
@@ -40,8 +40,8 @@ def check_role_layout(run_args: Any, role: str, tp: int, path: str, step: int | 
                 "drop ';tp='")
     if step is not None:
         raise ValueError(f"{snapshot} (args.{role}_ckpt_step names a Megatron checkpoint's iteration)")
-    route, _ = hf_teachers.teacher_route(path, run_args, f"role {role!r}: weights {path!r}")
-    if route != hf_teachers.HF:
+    loading, _ = hf_teachers.teacher_loading(path, run_args, f"role {role!r}: weights {path!r}")
+    if loading != hf_teachers.HF:
         raise ValueError(snapshot)
     for kind, size in layout_teacher.student_sizes().items():
         if size > 1:

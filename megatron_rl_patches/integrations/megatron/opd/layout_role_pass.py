@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches.integrations.megatron.opd.layout_role import where
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
 
 if TYPE_CHECKING:  # torch is imported where a pass runs: the patch's records import this module cheaply
     import torch

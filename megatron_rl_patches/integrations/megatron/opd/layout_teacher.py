@@ -56,20 +56,20 @@ def student_sizes() -> dict[str, int]:
     return {"pipeline": ps.get_pipeline_model_parallel_world_size(), "context": ps.get_context_parallel_world_size()}
 
 
-def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snapshot: str) -> None:
+def check_layout_teachers(settings: OpdSettings, loadings: list[str | None], snapshot: str) -> None:
     """ValueError naming the entry for each `;tp=N` / `;pp=N` teacher the run cannot serve: a world the size
-    does not divide, a route other than a Hugging Face directory of another architecture
-    (`snapshot`: slime's route into the actor's buffers), the union of ids (any residency, and a
+    does not divide, a loading other than a Hugging Face directory of another architecture
+    (`snapshot`: slime's loading into the actor's buffers), the union of ids (any residency, and a
     student with pipeline or context parallelism, are served: `LayoutTeacher.score`). The same on
-    every rank (the routes are agreed, the rest is the same everywhere), before anything loads."""
-    at_layout = [(teacher, route) for teacher, route in zip(settings.teachers, routes) if teacher.at_layout]
+    every rank (the loadings are agreed, the rest is the same everywhere), before anything loads."""
+    at_layout = [(teacher, loading) for teacher, loading in zip(settings.teachers, loadings) if teacher.at_layout]
     if not at_layout:
         return
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    for teacher, route in at_layout:
+    for teacher, loading in at_layout:
         where = f"{TEACHERS} entry '{teacher.path};{teacher.layout_written}'"
         check_world(int(teacher.tp or 1), world, where, int(teacher.pp or 1))
-        if route == snapshot:
+        if loading == snapshot:
             raise ValueError(f"{where}: this checkpoint goes slime's snapshot route (a Megatron checkpoint, or a "
                              "Hugging Face directory of the actor's architecture: loaded into the actor's own buffers, "
                              "at the student's layout); ';tp=' serves Hugging Face directories of another "

@@ -1,7 +1,7 @@
 """What top-k OPD asks of a pass and writes into the rollout data, for any Megatron host: the
 request a fused model call answers beside the log-probs (`TopkRequest`; `VocabRequest` for
 full-vocabulary OPD) and the per-sample rollout-data keys the teachers fill and the student's
-training step reads (slime's step carries them in its batches: `integrations.slime.step_plan`)."""
+training step reads (slime's step carries them in its batches: `integrations.slime.fused_step`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

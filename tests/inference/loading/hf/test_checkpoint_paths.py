@@ -41,7 +41,7 @@ def _every_entry_point(path, capsys):
     assert main(["memory", "--hf", str(path)]) == 2
     errors.append(capsys.readouterr().err)
     with pytest.raises(ValueError) as caught:
-        hf_teachers.local_route(str(path), Namespace(), f"{TEACHERS}: teacher {str(path)!r}")
+        hf_teachers.local_loading(str(path), Namespace(), f"{TEACHERS}: teacher {str(path)!r}")
     errors.append(str(caught.value))
     return errors
 

@@ -55,7 +55,7 @@ def test_slime_routes_each_published_teacher_by_its_text_models_shape(tmp_path, 
     a `;tokenizer=own` teacher's); Qwen3.5's nested sizes went unseen: routed into the actor's buffers."""
     root = published_checkpoint(name, tmp_path)
     text = _text(name)
-    route, differences = hf_teachers.local_route(str(root), ACTOR, WHAT)
+    route, differences = hf_teachers.local_loading(str(root), ACTOR, WHAT)
     assert route == hf_teachers.HF
     assert f"hidden_size: teacher {text['hidden_size']}, actor 32" in differences
     assert f"vocab_size: teacher {text['vocab_size']}, actor 1001" in differences
@@ -97,13 +97,13 @@ def test_slime_reads_a_routed_expert_teacher_as_the_converter_does(tmp_path, nam
     0, actor 256") and MLA's widths went uncompared. Now the converter's HFArchitecture is compared."""
     root = str(published_checkpoint(name, tmp_path))
     actor = SLIME_ACTORS[name]
-    assert hf_teachers.local_route(root, actor, WHAT) == (hf_teachers.SNAPSHOT, [])
+    assert hf_teachers.local_loading(root, actor, WHAT) == (hf_teachers.SNAPSHOT, [])
     experts = _text(name)["n_routed_experts"]
     dense = Namespace(**{**vars(actor), "num_experts": None})
-    route, differences = hf_teachers.local_route(root, dense, WHAT)
+    route, differences = hf_teachers.local_loading(root, dense, WHAT)
     assert route == hf_teachers.HF and f"num_experts: teacher {experts}, actor 0" in differences
     interleaved = Namespace(**{**vars(actor), "moe_layer_freq": 2})
-    assert hf_teachers.local_route(root, interleaved, WHAT) == \
+    assert hf_teachers.local_loading(root, interleaved, WHAT) == \
         (hf_teachers.HF, ["first_k_dense_replace: teacher 3, actor --moe-layer-freq 2"])
 
 
@@ -111,8 +111,8 @@ def test_slime_compares_multi_latent_attentions_widths(tmp_path):
     root = str(published_checkpoint("DeepSeek-V3", tmp_path))
     actor = SLIME_ACTORS["DeepSeek-V3"]
     narrower = Namespace(**{**vars(actor), "kv_lora_rank": 256, "q_lora_rank": None})
-    assert hf_teachers.local_route(root, narrower, WHAT) == \
+    assert hf_teachers.local_loading(root, narrower, WHAT) == \
         (hf_teachers.HF, ["q_lora_rank: teacher 1536, actor 0", "kv_lora_rank: teacher 512, actor 256"])
     plain = Namespace(**{**vars(actor), "multi_latent_attention": False, "qk_layernorm": False})
-    assert hf_teachers.local_route(root, plain, WHAT) == \
+    assert hf_teachers.local_loading(root, plain, WHAT) == \
         (hf_teachers.HF, ["qk_norm: teacher True, actor False", "multi_latent_attention: teacher True, actor False"])

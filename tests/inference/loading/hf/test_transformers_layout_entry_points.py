@@ -68,7 +68,7 @@ def test_every_entry_point_reads_the_nested_text_model(checkpoints, clean_patch_
     assert hf_vocab_size(root) == VOCAB == read_architecture(root).vocab_size
     assert hf_memory_plan(root).total_params > 0  # the weight files checked against config.json
     assert hf_teachers.check_vocab(str(root), VOCAB, what) == VOCAB
-    route, differences = hf_teachers.local_route(str(root), ACTOR, what)
+    route, differences = hf_teachers.local_loading(str(root), ACTOR, what)
     assert route == hf_teachers.HF and "num_hidden_layers: teacher 4, actor 2" in differences
     from megatron_rl_patches.apps.cli.doctor import teacher_problems
 

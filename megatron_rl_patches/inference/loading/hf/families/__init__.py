@@ -1,6 +1,26 @@
 """The Hugging Face model families the converter serves, registered in one table: `FAMILIES`
 (one module each, see `family.py` for what a family says), `family_for(model_type)`, and
-config.json -> its family -> its HFArchitecture. Adding a family is a module here and a row below."""
+config.json -> its family -> its HFArchitecture. Adding a family is a module here and a row below.
+
+A family module (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen3_moe.py` show the size: 20-40 lines) holds a
+`Family`: its `model_type`; how its config.json becomes an `HFArchitecture` and what it refuses
+(`read`, on `architecture.decoder_architecture`); its tensors per layer (`{e}` in a per-expert name);
+each Megatron local-spec parameter's Hugging Face tensors and fuse kind (`Param`, with a `FuseKind`
+of `common_kinds.py`: REPLICATE, ROW, COLUMN, GATED, QKV, VOCAB, ...); its `TransformerConfig`
+overrides, layer spec and model class (default: megatron-core's local GPT spec and `GPTModel`); its
+parallel-size checks; whether `converter="mbridge"` serves it; the tensor prefixes the loader skips
+(`skipped`: MTP layers, by default the `num_nextn_predict_layers` after the decoder layers); and the
+fields of the test kit's tiny config. What several families share (attention, SwiGLU, routed and
+shared experts) is in `common.py`; RoPE, plain or scaled, is read for every family by
+`rope_scaling.py`. A family or feature slime or verl train that is not served gets its reason in
+`REFUSED` below and a row of docs/inference-only.md's family table.
+
+Registered here, the loader, the converter, the memory plan (one formula over the fuse kinds), the
+mbridge route, the OPD teachers' loading and `testing.hf_checkpoints` read it. The family contract
+(`contract.py`, run on every registered family by tests/inference/loading/hf/test_families_contract.py)
+checks each layer tensor makes exactly one parameter and the memory plan counts what the checkpoint
+holds, and builds each on CPU; test_hf_reference.py adds its forward against transformers'. Then
+`python tools/doc_families.py` writes the new `model_type` into the docs' lists of families."""
 from __future__ import annotations
 
 from typing import Any

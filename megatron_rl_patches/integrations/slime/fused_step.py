@@ -1,15 +1,15 @@
-"""The plan of one slime step on the fused route, shared by `fused` (which runs it) and `opd`
-(which asks it for top-k buckets): what the fused model call needs (`FusedStep`, `TopkRequest`),
-the data iterators that carry the plan through slime's step (`integrations.megatron
-.planned_iterators`) to the batch the loss reads it from (`PLAN`, `plan_in`), and the rollout-data
-keys top-k OPD adds with the request its training step makes (`step_request`), and top-k OPD's
-settings and the shared-prefix packing as slime's doors read them (`slime_settings`,
-`slime_prefix`: read once per slime `args`, held by it).
+"""One slime step on the fused route, shared by `fused` (which runs it) and `opd` (which asks it for
+top-k buckets): what the fused model call needs (`FusedStep`, `TopkRequest`), carried by the data
+iterators through slime's step (`integrations.megatron.step_iterators`) to the batch the loss reads
+it from (`FUSED_STEP`, `fused_step_in`), the rollout-data keys top-k OPD adds with the request its
+training step makes (`step_request`), and slime's settings as its doors read them (`SlimeSettings`:
+top-k OPD's and the shared-prefix switch, read once per slime `args` and held by it;
+`slime_settings`, `slime_prefix_pass`).
 
 slime's callbacks have fixed signatures (`get_batch(data_iterator, keys, ...)`, the schedule's
-`forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the plan
-travels with the data slime hands them: the iterators a planned call passes on, and the batch
-`get_batch` returns (under the key `PLAN`)."""
+`forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the step
+travels with the data slime hands them: the iterators a fused call passes on, and the batch
+`get_batch` returns (under the key `FUSED_STEP`)."""
 from __future__ import annotations
 
 import contextlib
@@ -57,15 +57,15 @@ STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAI
 UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
 
 
-# the batch key under which a planned `get_batch` hands the loss its step's plan
-PLAN = "megatron_rl_patches_step_plan"
+# the batch key under which a fused step's `get_batch` hands the loss its `FusedStep`
+FUSED_STEP = "megatron_rl_patches_fused_step"
 # the attribute of slime's `args` holding its settings as read there (`held_settings`)
 HELD = "_megatron_rl_patches_settings"
 
 
-def plan_in(batch: Any) -> FusedStep | None:
-    """The plan a planned `get_batch` put in its micro-batch (None: a batch of slime's own)."""
-    return batch.get(PLAN) if isinstance(batch, dict) else None
+def fused_step_in(batch: Any) -> FusedStep | None:
+    """The step a fused step's `get_batch` put in its micro-batch (None: a batch of slime's own)."""
+    return batch.get(FUSED_STEP) if isinstance(batch, dict) else None
 
 
 def slime_settings(args: Any) -> OpdSettings | None:
@@ -73,20 +73,29 @@ def slime_settings(args: Any) -> OpdSettings | None:
     `train_actor`, `train_one_step`, the rollout manager's split and the rollout's sample hooks):
     parsed once per slime `args` (the namespace every patched slime call is handed, in the training
     actors and the rollout manager alike) and held by it, then passed down as arguments."""
-    return held_settings(args)[0]
+    return held_settings(args).opd
 
 
-def slime_prefix(args: Any, model: Any, what: str, training: bool) -> PrefixPass | None:
+def slime_prefix_pass(args: Any, model: Any, what: str, training: bool) -> PrefixPass | None:
     """The shared-prefix packing of slime's pass `what` over `model` (None: each sample whole), its
     switch MEGATRON_RL_PATCHES_SHARED_PREFIX read once per slime `args` as `slime_settings` is."""
-    return prefix_pass(what, model, training=training, enabled=held_settings(args)[1])
+    return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix)
 
 
-def held_settings(args: Any) -> tuple[OpdSettings | None, bool]:
+@dataclass(frozen=True)
+class SlimeSettings:
+    """slime's settings as its doors read them: top-k OPD's (None: off) and whether the passes pack
+    a group's prompt once (MEGATRON_RL_PATCHES_SHARED_PREFIX)."""
+
+    opd: OpdSettings | None
+    shared_prefix: bool
+
+
+def held_settings(args: Any) -> SlimeSettings:
     """slime's settings as its `args` hold them: read at the first door, then handed down."""
     held = getattr(args, HELD, None)
-    if held is None:
-        held = (opd_settings(), shared_prefix())
+    if not isinstance(held, SlimeSettings):
+        held = SlimeSettings(opd_settings(), shared_prefix())
         with contextlib.suppress(AttributeError, TypeError):  # no namespace to hold them: read for this call
             setattr(args, HELD, held)
     return held

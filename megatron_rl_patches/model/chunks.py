@@ -1,9 +1,12 @@
-"""Model-chunk helpers of the frozen builds, used by `reentrant`, `windows` and the integrations too:
-one chunk or a list of them, the `.module` chain of wrappers (Float16Module, DDP), and what counts
-as a DDP chunk.
+"""A Megatron model as the package is handed it: one chunk or a list of them (`as_chunks`,
+`module_chunks`), the `.module` chain of wrappers around each (Float16Module, DDP: `iter_wrapped`),
+the model inside them (`unwrap`, the package's only one), every module of the chunks
+(`modules_of`), whether a chunk is the last pipeline stage, and what counts as a DDP chunk.
 
-Imports nothing heavy: megatron-core and torch classes are looked up in `sys.modules` only, since
-no object can be an instance of a class whose module was never imported.
+Imports nothing heavy: wrappers are followed by their `.module` link and a language model is read
+from what it holds (`kinds`), so no megatron-core class is imported; torch is looked up in
+`sys.modules` (no object can be a torch module where torch was never imported), or imported by
+`module_chunks`, whose callers run models.
 """
 # lazy imports: import cost: inference.sizing.memory imports this module without torch (tests/test_lazy_import.py)
 from __future__ import annotations
@@ -12,15 +15,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_rl_patches.model.kinds import is_language_model
+
 # megatron-core DistributedDataParallel's forward-pre-hook / param-sync API (0.13 to 0.16+)
 DDP_HOOK_ATTRS = ("remove_forward_pre_hook_handles", "use_forward_hook", "start_param_sync")
-
-# (defining module, class name) of the wrappers whose state-dict keys carry a 'module.' prefix
-_WRAPPERS = (
-    ("megatron.core.transformer.module", "Float16Module"),
-    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel"),
-    ("torch.nn.parallel.distributed", "DistributedDataParallel"),
-)
 
 
 def as_chunks(model_or_list: Any) -> list[Any]:
@@ -68,17 +66,28 @@ def has_grad_buffers(obj: Any) -> bool:
     return hasattr(obj, "ddp_config") and hasattr(obj, "buffers")
 
 
-def _wrapper_types() -> tuple[type, ...]:
-    found = (getattr(sys.modules.get(module), name, None) for module, name in _WRAPPERS)
-    return tuple(cls for cls in found if isinstance(cls, type))
-
-
 def unwrap(module: Any) -> Any:
-    """The model inside Float16Module / megatron-core DDP / torch DDP wrappers (whose state-dict
-    keys carry 'module.'); any other object is returned as is."""
-    wrappers = _wrapper_types()
-    inner = module
-    for inner in iter_wrapped(module):
-        if not isinstance(inner, wrappers):
-            break
-    return inner
+    """The model inside its wrappers (Float16Module, megatron-core or torch DDP, a framework's own):
+    the first link of the `.module` chain that is a language model (GPTModel, HybridModel:
+    `kinds.is_language_model`), else the chain's innermost link. Anything without a `.module` is
+    returned as is."""
+    chain = list(iter_wrapped(module))
+    if not chain:
+        return module
+    return next((link for link in chain if is_language_model(link)), chain[-1])
+
+
+def is_last_stage(chunk: Any) -> bool:
+    """Whether this chunk computes the output layer (GPTModel's `post_process`): only the last
+    pipeline stage (per virtual stage with VPP) has log-probs to return."""
+    return bool(getattr(unwrap(chunk), "post_process", True))
+
+
+def modules_of(model: Any, who: str) -> Iterator[Any]:
+    """Every module of a model, a list of model chunks or wrappers around them (each chunk's
+    `modules()`, the wrappers first); TypeError naming `who` for a chunk that is no torch module."""
+    torch = sys.modules.get("torch")  # nothing is a torch module where torch was never imported
+    for chunk in as_chunks(model):
+        if torch is None or not isinstance(chunk, torch.nn.Module):
+            raise TypeError(f"{who}: expected megatron-core model chunks, got {type(chunk).__name__}")
+        yield from chunk.modules()
