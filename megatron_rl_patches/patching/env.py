@@ -6,7 +6,7 @@ readers (`is_strict`, `role_layouts`, ...) are the settings' readers under the n
 calls. Pure string handling; imports nothing heavy."""
 from __future__ import annotations
 
-from megatron_rl_patches import settings
+import megatron_rl_patches.settings as settings
 from megatron_rl_patches.settings import (
     ALLOW_UNTESTED,
     AUTO,
