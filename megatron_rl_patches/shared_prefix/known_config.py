@@ -116,6 +116,7 @@ def _moe(exact: str, test: Callable[[Any, Settings], bool], what: str, why: str)
     return checked(exact, lambda value, s, training: _no_moe(s) or test(value, s), what=what, why=why)
 
 
+LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 UNTESTED = "the plan has not been tested with it; leave it at its default or do not plan this model"
 
 FIELDS: dict[str, Known] = {
@@ -167,9 +168,10 @@ FIELDS: dict[str, Known] = {
     "moe_token_dropping": _moe("False", lambda v, s: not v, "MoE token dropping",
                                "which tokens drop depends on the batch's tokens"),
     "moe_router_load_balancing_type": _moe_training(
-        "any but 'sinkhorn' in training (its coefficients are checked)", lambda v, s: "sinkhorn" not in _kinds(v),
-        "MoE Sinkhorn routing in training", "it balances over the batch's tokens, where a shared prefix token "
-        "stands once for every sample holding it; use 'none' or an aux loss of coefficient 0"),
+        f"{' or '.join(map(repr, LOSSES))} in training (their coefficients are checked); any in forward-only passes",
+        lambda v, s: set(_kinds(v)) <= set(LOSSES), "MoE load balancing over the batch in training (Sinkhorn, "
+        "quantile balancing)", "it balances over the batch's tokens, where a shared prefix token stands once for "
+        "every sample holding it; use 'none' or an aux loss of coefficient 0"),
     "moe_aux_loss_coeff": _moe_training(
         "0 in training (any with moe_router_load_balancing_type 'none')",
         lambda v, s: _zero(v) or set(_kinds(s.get("moe_router_load_balancing_type"))) == {"none"},
@@ -189,12 +191,18 @@ FIELDS: dict[str, Known] = {
     "moe_input_jitter_eps": _moe_training("None or 0 in training", lambda v, s: _zero(v), "MoE router input jitter",
                                           "a prefix's noise would be drawn once for every sample sharing it; set it "
                                           "to None"),
+    "moe_router_force_biased": _moe("None", lambda v, s: v is None, "MoE random router bias",
+                                    "it draws a bias per forward, not per token; " + UNTESTED),
+    "moe_expert_rank_capacity_factor": _moe("None", lambda v, s: v is None, "MoE token dropping per expert rank",
+                                            "which tokens drop depends on the batch's tokens; set it to None"),
+    "use_mup": only(False, what="MuP scaling", why=UNTESTED),
     "moe_enable_routing_replay": _moe("False", lambda v, s: not v, "MoE routing replay",
                                       "it replays routing recorded per packed token, and a plan computes fewer"),
     "moe_router_padding_for_quantization": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
     "moe_router_padding_for_fp8": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
     "moe_pad_expert_input_to_capacity": WITHOUT_DROPPING,
     "moe_token_drop_policy": WITHOUT_DROPPING,
+    "moe_router_quantile_balancing_ema": READ_WITH,
     "moe_per_layer_logging": per_token("logging only: the logged counts are of the tokens computed"),
 }
 
@@ -204,7 +212,8 @@ _GROUPS: dict[Known, str] = {
         normalization layernorm_epsilon layernorm_zero_centered_gamma qk_layernorm qk_l2_norm attention_output_gate
         apply_residual_connection_post_layernorm rotary_interleaved no_rope_freq mtp_loss_scaling_factor
         moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate moe_layer_freq moe_latent_size
-        moe_apply_probs_on_input calculate_per_token_loss max_position_embeddings is_hybrid_model""",
+        moe_apply_probs_on_input calculate_per_token_loss max_position_embeddings is_hybrid_model
+        moe_shared_expert_glu_interleave_size moe_mlp_glu_interleave_size""",
     ROUTING: """moe_router_topk moe_router_score_function moe_router_pre_softmax moe_router_topk_scaling_factor
         moe_router_num_groups moe_router_group_topk moe_router_topk_limited_devices moe_router_dtype""",
     PARALLEL: """tensor_model_parallel_size pipeline_model_parallel_comm_backend sequence_parallel
@@ -219,46 +228,63 @@ _GROUPS: dict[Known, str] = {
         overlap_moe_expert_parallel_comm delay_wgrad_compute ep_overlap_early_attn_memory_release
         defer_embedding_wgrad_compute wgrad_deferral_limit moe_token_dispatcher_type moe_enable_deepep
         moe_flex_dispatcher_backend moe_deepep_num_sms moe_hybridep_num_sms moe_shared_expert_overlap
-        symmetric_ar_type""",
+        symmetric_ar_type tensor_parallel_num_weight_shards gtp_weight_remat_size
+        expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size
+        overlap_dispatch_backward_with_experts_wgrad high_priority_a2a_comm_stream moe_permute_fusion_into_hybridep
+        moe_hybridep_pad_uneven_dispatch_inputs moe_flex_dispatcher_num_sms moe_hybridep_num_blocks_permute
+        moe_hybridep_num_blocks_unpermute moe_hybridep_num_sms_preprocessing moe_ncclep_static_shape
+        moe_ncclep_zero_copy""",
     PRECISION: """fp16 bf16 params_dtype pipeline_dtype enable_autocast autocast_dtype fp32_residual_connection
         apply_query_key_layer_scaling attention_softmax_in_fp32 disable_bf16_reduced_precision_matmul
         fp8 fp8_recipe fp8_param fp8_quantizer_factory fp8_margin fp8_interval fp8_amax_history_len
         fp8_amax_compute_algo fp8_wgrad fp8_dot_product_attention fp8_multi_head_attention tp_only_amax_red
         first_last_layers_bf16 num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 fp4 fp4_recipe fp4_param
-        fp4_quantizer_factory quant_recipe activation_func_fp8_input_store""",
+        fp4_quantizer_factory quant_recipe activation_func_fp8_input_store fp8_output_proj""",
     KERNELS: """attention_backend gradient_accumulation_fusion cross_entropy_loss_fusion cross_entropy_fusion_impl
         bias_activation_fusion masked_softmax_fusion persist_layer_norm memory_efficient_layer_norm
         bias_dropout_fusion apply_rope_fusion use_fused_weighted_squared_relu use_te_activation_func moe_grouped_gemm
         moe_use_legacy_grouped_gemm moe_permute_fusion moe_router_fusion deterministic_mode batch_invariant_mode
-        use_te_rng_tracker disable_parameter_transpose_cache clone_scatter_output_in_embedding""",
+        use_te_rng_tracker disable_parameter_transpose_cache clone_scatter_output_in_embedding flash_attention_version
+        fused_residual_rmsnorm use_transformer_engine_op_fuser use_grouped_gemm_for_shared_expert
+        use_grouped_gemm_for_dense_mlp moe_single_grouped_weight moe_single_grouped_bias""",
     MODULES: """transformer_impl use_kitchen use_kitchen_attention kitchen_attention_backend
         use_inference_optimized_layers hetereogenous_dist_checkpoint""",
     MEMORY: """recompute_granularity recompute_method recompute_num_layers distribute_saved_activations
         recompute_modules moe_layer_recompute num_microbatches_with_partial_activation_checkpoints cpu_offloading
         cpu_offloading_num_layers _cpu_offloading_context cpu_offloading_activations cpu_offloading_weights
         cpu_offloading_double_buffering fine_grained_activation_offloading offload_modules
-        min_offloaded_tensor_size""",
+        min_offloaded_tensor_size cpu_offloading_retain_pinned_cpu_buffers delay_offload_until_cuda_graph
+        delta_offload_bytes_across_pp_ranks activation_offload_fraction moe_paged_stash moe_paged_stash_page_size
+        moe_paged_stash_buffer_size_factor_cuda moe_paged_stash_buffer_size_factor_cpu
+        fine_grained_offloading_max_inflight_offloads mlp_chunks_for_training""",
     PLUMBING: """perform_initialization use_cpu_initialization init_model_with_meta_device init_method
         output_layer_init_method init_method_std embedding_init_method embedding_init_method_std timers
         finalize_model_grads_func grad_scale_func no_sync_func grad_sync_func param_sync_func barrier_with_L1_time
-        test_mode config_logger_dir""",
+        test_mode config_logger_dir moe_grad_scale_func mtp_grad_scale_func
+        experimental_attention_variant_loss_scale_func""",
     INFERENCE: """flash_decode inference_rng_tracker inference_sampling_seed inference_fuse_tp_communication
-        mlp_chunks_for_prefill cache_mla_latents""",
+        mlp_chunks_for_prefill cache_mla_latents moe_pad_experts_for_cuda_graph_inference inference_cuda_graph_scope
+        nccl_all_reduce_for_prefill inference_disable_triton_nvls_kernels inference_grouped_gemm_backend
+        inference_moe_disable_fused_quant_kernels inference_moe_token_dispatcher_type""",
     WITHOUT_CP: "hierarchical_context_parallel_sizes max_seqlen_per_dp_cp_rank cp_comm_type",
     WITHOUT_MLA: """q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type rotary_base
         rotary_percent rotary_scaling_factor original_max_position_embeddings beta_fast beta_slow mscale
-        mscale_all_dim""",
+        mscale_all_dim mla_down_proj_fusion""",
     WITHOUT_VARIANT: """dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_loss_coeff
         dsa_indexer_use_sparse_loss linear_attention_freq linear_conv_kernel_dim linear_key_head_dim
-        linear_value_head_dim linear_num_key_heads linear_num_value_heads""",
-    WITHOUT_MTP: "mtp_standalone",
+        linear_value_head_dim linear_num_key_heads linear_num_value_heads dsa_indexer_topk_freq
+        dsa_indexer_skip_topk_offset dsa_kernel_backend dsa_indexer_rope_interleaved dsa_indexer_rotate_activation
+        dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32""",
+    WITHOUT_MTP: "mtp_standalone mtp_use_repeated_layer mtp_detach_heads mtp_hybrid_override_pattern",
+    per_token("only with use_mup, which is refused"): """mup_width_mult mup_base_hidden_size mup_embedding_mult
+        mup_output_mult mup_base_head_dim mup_attn_scale_power""",
     per_token("only with qk_clip, which is refused"): "qk_clip_alpha qk_clip_threshold",
     WITHOUT_WINDOW: "window_attn_skip_freq",
     WITHOUT_MRoPE: "mrope_section",
     WITHOUT_GRAPHS: """cuda_graph_use_single_mempool cuda_graph_retain_backward_graph cuda_graph_warmup_steps
-        cuda_graph_scope""",
+        cuda_graph_scope cuda_graph_modules""",
     per_token("Mamba and gated delta net layers are refused by their class"): """mamba_state_dim mamba_head_dim
-        mamba_num_groups mamba_num_heads use_mamba_mem_eff_path""",
+        mamba_num_groups mamba_num_heads use_mamba_mem_eff_path mamba_training_ssm_states_dtype""",
 }
 for _known, _names in _GROUPS.items():
     for _name in _names.split():
