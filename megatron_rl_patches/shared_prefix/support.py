@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any
+from typing import Any, cast
 
 from megatron_rl_patches.ops.agreement import gathered_objects, world
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
@@ -41,7 +41,8 @@ CORES = {  # core attentions computing plain causal softmax attention from the c
 RECURRENT = {"GatedDeltaNet": "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final "
                               "recurrent state)",
              "MambaMixer": "Mamba layers (each remainder would start from the prefix's final state)"}
-NOT_KNOWN = "a module the plan does not know ({name} at {path} takes packed_seq_params: what it reads of them is its own)"
+NOT_KNOWN = ("a module the plan does not know ({name} at {path} takes packed_seq_params: what it reads of them is "
+             "its own)")
 HAND_WRITTEN = ("do not plan its micro-batches (call plan_shared_prefix only for models check_shared_prefix "
                 "accepts)")
 
@@ -51,14 +52,14 @@ def _qualified(cls: type) -> str:
 
 
 @functools.cache
-def _forward_owner(cls: type) -> str:
+def _forward_owner(cls: Any) -> str:
     """The class (qualified name) whose own code is `cls`'s forward."""
     owner = next((c for c in cls.__mro__ if "forward" in vars(c)), cls)
     return _qualified(owner)
 
 
 @functools.cache
-def _takes_packed_seq_params(cls: type) -> bool:
+def _takes_packed_seq_params(cls: Any) -> bool:
     try:
         return "packed_seq_params" in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError, AttributeError):
@@ -129,7 +130,7 @@ def config_reason(config: Any, training: bool) -> str | None:
 
 def module_reason(path: str, module: Any) -> str | None:
     """Why the plan cannot run a model holding `module` (at `path`), or None."""
-    cls = type(module)
+    cls: Any = type(module)
     for kind, reason in RECURRENT.items():
         if kind in cls.__name__:
             return f"{reason} ({_qualified(cls)} at {path or 'the model'})"
@@ -137,7 +138,7 @@ def module_reason(path: str, module: Any) -> str | None:
         return f"{getattr(module, 'attention_type', '')} attention ({_qualified(cls)} at {path})"
     if not _takes_packed_seq_params(cls):
         return None
-    origin = cls.__mro__[1] if isinstance(module, PlannedCore) else cls  # a core the package already prepared
+    origin: Any = cls.__mro__[1] if isinstance(module, PlannedCore) else cls  # a core the package already prepared
     if is_language_model(module) or _forward_owner(origin) in PASSES_ON | CORES:
         return None
     return NOT_KNOWN.format(name=_qualified(cls), path=path or "the model")
@@ -180,7 +181,7 @@ def shared_prefix_reason(model: Any, *, training: bool, group: Any = None) -> st
     torch.distributed is initialized), the same answer on every rank; None when every rank can.
     Call it before the pass's first collective."""
     gathered = gathered_objects(group if group is not None else world(), local_reasons(model, training))
-    named = sorted({str(reason) for reasons in gathered for reason in (reasons or ())})
+    named = sorted({str(reason) for reasons in gathered for reason in cast(list, reasons or [])})
     return "; ".join(named) if named else None
 
 
