@@ -1,98 +1,194 @@
 """What a shared-prefix plan can run on, decided before a pass begins and agreed over the ranks.
 
-A remainder must start from what its prefix left behind, and a statistic over tokens must count a
-prefix token once per sample that shares it. Where neither holds, the combination is refused by
-name: context parallelism, multi-latent attention (its rotary table is its own), multi-token
-prediction, recurrent layers (Qwen3.5's gated delta net, Mamba), the multimodal rotary embedding,
-MoE token dropping, and, in training, MoE load-balancing statistics (auxiliary loss, z-loss, expert
-bias, Sinkhorn routing). A pipeline needs megatron-core's `variable_seq_lengths` (each micro-batch's
-physical length is its own). The layer kinds differ between pipeline stages, so the reasons are
-agreed over the group before anything else: one rank's reason is every rank's."""
+A plan runs only what it knows to be exact; anything else is refused by name:
+- every field of each model config (TransformerConfig, MLATransformerConfig) and the language
+  model's position embedding hold a value `known_config.FIELDS` runs exact (a field it does not know
+  runs only at its default);
+- every module whose forward takes `packed_seq_params` is one the package prepares or knows to pass
+  them on unread (`PASSES_ON`: the language models, the transformer block and layer, megatron-core's
+  attention) or a core attention the package's attention replaces with the same arithmetic
+  (`CORES`). Anything else reads the packed sequences itself (slime's `HuggingfaceAttention`, a
+  gated delta net, Mamba, GLM-5's DSA indexer) and is refused by its class.
+The layer kinds differ between pipeline stages, so the reasons are agreed over the group before
+anything else: one rank's reason is every rank's."""
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+import inspect
+from typing import Any, cast
 
 from megatron_rl_patches.ops.agreement import gathered_objects, world
-from megatron_rl_patches.shared_prefix.model_hooks import is_attention, is_language_model, modules_of
+from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
+from megatron_rl_patches.shared_prefix.model_hooks import PlannedCore, is_attention, is_language_model, modules_of
 
+PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params on, unread, or the package prepares it
+    "megatron.core.models.gpt.gpt_model.GPTModel",
+    "megatron.core.models.mamba.mamba_model.MambaModel",
+    "megatron.core.models.hybrid.hybrid_model.HybridModel",
+    "megatron.core.transformer.transformer_block.TransformerBlock",
+    "megatron.core.transformer.transformer_layer.TransformerLayer",
+    "megatron.core.ssm.mamba_block.MambaStack",
+    "megatron.core.models.hybrid.hybrid_block.HybridStack",
+    "megatron.core.transformer.attention.Attention",
+}
+CORES = {  # core attentions computing plain causal softmax attention from the config: the package's replaces them
+    "megatron.core.transformer.dot_product_attention.DotProductAttention",
+    "megatron.core.extensions.transformer_engine.TEDotProductAttention",
+    "megatron_rl_patches.inference.sdpa_attention.SDPACoreAttention",
+    "megatron_rl_patches.testing.packed_gpt.packed_attention_class.<locals>.PackedDotProductAttention",
+}
 RECURRENT = {"GatedDeltaNet": "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final "
                               "recurrent state)",
              "MambaMixer": "Mamba layers (each remainder would start from the prefix's final state)"}
+NOT_KNOWN = ("a module the plan does not know ({name} at {path} takes packed_seq_params: what it reads of them is "
+             "its own)")
+HAND_WRITTEN = ("do not pack its micro-batches by shared prefix (call plan_shared_prefix only for models "
+                "check_shared_prefix accepts)")
 
 
-def _positive(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(_positive(v) for v in value)
-    return value is not None and float(value) > 0
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@functools.cache
+def _forward_owner(cls: Any) -> str:
+    """The class (qualified name) whose own code is `cls`'s forward."""
+    owner = next((c for c in cls.__mro__ if "forward" in vars(c)), cls)
+    return _qualified(owner)
+
+
+@functools.cache
+def _takes_packed_seq_params(cls: Any) -> bool:
+    try:
+        return "packed_seq_params" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """TransformerConfig's (and MLATransformerConfig's) defaults: what a config without a field means."""
+    try:
+        # lazy: optional dependency megatron-core
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+    except ImportError:
+        return {}
+    return {name: value for name, value in _field_defaults(MLATransformerConfig).items() if value is not _NONE}
+
+
+_NONE = object()  # a field without a default
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.default is not dataclasses.MISSING:
+            out[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            out[field.name] = field.default_factory()
+        else:
+            out[field.name] = _NONE
+    return out
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:  # a value that does not compare (a tensor): not the default
+        return True
+
+
+def config_reasons(config: Any, training: bool, position_embedding_type: str | None = None) -> list[str]:
+    """Why a model of `config` (and that position embedding) cannot run a plan (`training`: with
+    gradients), by field, in the config's order; empty when it can."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        values = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+        own_defaults = _field_defaults(type(config))
+    else:
+        values, own_defaults = dict(vars(config)), {}
+    if position_embedding_type is not None:
+        values["position_embedding_type"] = position_embedding_type
+    settings = Settings(config, {**_defaults(), **values})
+    reasons = []
+    for name, value in values.items():
+        known = FIELDS.get(name)
+        if known is not None:
+            if not known.check(value, settings, training):
+                reasons.append(refusal(name, value, known))
+            continue
+        default = own_defaults.get(name, _defaults().get(name, _NONE))
+        if default is _NONE or _differs(value, default):
+            reasons.append(unknown(name, value, None if default is _NONE else default))
+    return reasons
 
 
 def config_reason(config: Any, training: bool) -> str | None:
     """Why a model of `config` cannot run a plan (`training`: with gradients), or None."""
-    cp = int(getattr(config, "context_parallel_size", 1) or 1)
-    if cp > 1:
-        return f"context parallelism (context_parallel_size={cp})"
-    if getattr(config, "multi_latent_attention", False):
-        return "multi-latent attention (its rotary embedding is computed inside the layer)"
-    if getattr(config, "mtp_num_layers", None):
-        return f"multi-token prediction (mtp_num_layers={config.mtp_num_layers})"
-    pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
-    if pp > 1 and not getattr(config, "variable_seq_lengths", False):
-        return ("pipeline parallelism without variable_seq_lengths (a planned micro-batch's length is its own; "
-                "set config.variable_seq_lengths=True)")
-    if getattr(config, "num_moe_experts", None):
-        if getattr(config, "moe_expert_capacity_factor", None) is not None:
-            return (f"MoE token dropping (moe_expert_capacity_factor={config.moe_expert_capacity_factor}: "
-                    "which tokens drop depends on the batch)")
-        if training:
-            balancing = getattr(config, "moe_router_load_balancing_type", "aux_loss")
-            if balancing == "sinkhorn":
-                return "MoE Sinkhorn routing in training (it balances over the batch's tokens)"
-            if balancing != "none" and _positive(getattr(config, "moe_aux_loss_coeff", 0.0)):
-                return (f"MoE load balancing in training (moe_aux_loss_coeff={config.moe_aux_loss_coeff}: its "
-                        "statistics would count a shared prefix token once, not once per sample); set it to 0")
-            if _positive(getattr(config, "moe_z_loss_coeff", None)):
-                return (f"MoE z-loss in training (moe_z_loss_coeff={config.moe_z_loss_coeff}: it would count a "
-                        "shared prefix token once, not once per sample)")
-            if getattr(config, "moe_router_enable_expert_bias", False):
-                return "MoE expert bias in training (moe_router_enable_expert_bias: its token counts would differ)"
-    return None
+    return "; ".join(config_reasons(config, training)) or None
+
+
+def module_reason(path: str, module: Any) -> str | None:
+    """Why the plan cannot run a model holding `module` (at `path`), or None."""
+    cls: Any = type(module)
+    for kind, reason in RECURRENT.items():
+        if kind in cls.__name__:
+            return f"{reason} ({_qualified(cls)} at {path or 'the model'})"
+    if is_attention(module) and getattr(module, "attention_type", "self") != "self":
+        return f"{getattr(module, 'attention_type', '')} attention ({_qualified(cls)} at {path})"
+    if not _takes_packed_seq_params(cls):
+        return None
+    origin: Any = cls.__mro__[1] if isinstance(module, PlannedCore) else cls  # a core the package already prepared
+    if is_language_model(module) or _forward_owner(origin) in PASSES_ON | CORES:
+        return None
+    return NOT_KNOWN.format(name=_qualified(cls), path=path or "the model")
+
+
+def local_reasons(model: Any, training: bool) -> list[str]:
+    """Why this rank's chunks of `model` cannot run a plan (one reason per refused field or class)."""
+    reasons: list[str] = []
+    seen: set[int] = set()  # the configs and module classes already read
+    found = False
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for index, chunk in enumerate(chunks):
+        next(modules_of(chunk), None)  # a TypeError naming what is not a model chunk
+        for path, module in chunk.named_modules():
+            where = f"chunk {index}: {path}" if len(chunks) > 1 else path
+            if id(type(module)) not in seen:
+                seen.add(id(type(module)))
+                refused = module_reason(where, module)
+                reasons += [refused] if refused is not None else []
+            if is_language_model(module):
+                found = True
+                seen.add(id(module.config))
+                reasons += config_reasons(module.config, training, getattr(module, "position_embedding_type", None))
+            config = getattr(module, "config", None)
+            if id(config) not in seen and dataclasses.is_dataclass(config) and not isinstance(config, type):
+                seen.add(id(config))
+                reasons += config_reasons(config, training)
+    if not found:
+        reasons.append("no megatron-core language model (GPTModel, HybridModel) in the model chunks")
+    return list(dict.fromkeys(reasons))
 
 
 def local_reason(model: Any, training: bool) -> str | None:
     """Why this rank's chunks of `model` cannot run a plan, or None."""
-    found = False
-    for module in modules_of(model):
-        name = type(module).__name__
-        for kind, reason in RECURRENT.items():
-            if kind in name:
-                return reason
-        if is_language_model(module):
-            found = True
-            embedding = getattr(module, "position_embedding_type", "rope")
-            if embedding == "mrope":
-                return "the multimodal rotary embedding (position_embedding_type mrope)"
-            refused = config_reason(module.config, training)
-            if refused is not None:
-                return refused
-        elif is_attention(module) and getattr(module, "attention_type", "self") != "self":
-            return f"{getattr(module, 'attention_type', '')} attention"
-    if not found:
-        return "no megatron-core language model (GPTModel, HybridModel) in the model chunks"
-    return None
+    return "; ".join(local_reasons(model, training)) or None
 
 
 def shared_prefix_reason(model: Any, *, training: bool, group: Any = None) -> str | None:
     """Why `model` cannot run a shared-prefix plan on some rank of `group` (None: the world when
     torch.distributed is initialized), the same answer on every rank; None when every rank can.
     Call it before the pass's first collective."""
-    reasons = gathered_objects(group if group is not None else world(), local_reason(model, training))
-    named = sorted({str(reason) for reason in reasons if reason})
+    gathered = gathered_objects(group if group is not None else world(), local_reasons(model, training))
+    named = sorted({str(reason) for reasons in gathered for reason in cast(list, reasons or [])})
     return "; ".join(named) if named else None
 
 
 def check_shared_prefix(model: Any, *, training: bool, group: Any = None) -> None:
-    """`shared_prefix_reason`, raised as a ValueError on every rank when there is one."""
+    """`shared_prefix_reason`, raised as a ValueError on every rank when there is one (for a
+    hand-written loop: its remedy is not to plan that model's micro-batches)."""
     reason = shared_prefix_reason(model, training=training, group=group)
     if reason is not None:
-        raise ValueError(f"shared-prefix packing cannot run this model: {reason}. Set "
-                         "MEGATRON_RL_PATCHES_SHARED_PREFIX=0 (or do not plan its micro-batches)")
+        raise ValueError(f"shared-prefix packing cannot run this model: {reason}. {HAND_WRITTEN[0].upper()}"
+                         f"{HAND_WRITTEN[1:]}")

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops.agreement import agree
+from megatron_rl_patches.settings import SHARED_PREFIX
 from megatron_rl_patches.shared_prefix.model_hooks import (
     is_language_model,
     modules_of,
@@ -23,7 +24,8 @@ from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
 from megatron_rl_patches.shared_prefix.support import shared_prefix_reason
 
 logger = logging.getLogger("megatron_rl_patches")
-OFF = "shared prefix: {what} runs each sample packed whole: {reason}"
+OFF = ("shared prefix: {what} runs each sample packed whole: {reason} (" + SHARED_PREFIX + "=0 switches the plan "
+       "off for this job, without this warning)")
 
 
 WHOLE = "shared prefix: {what}: a micro-batch with {reason} is packed whole (counted in the pass's figures)"
