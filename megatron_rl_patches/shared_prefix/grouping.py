@@ -42,31 +42,40 @@ def common_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _big_endian(rows: Sequence[array], signed: bool) -> list[bytes] | None:
+    """Copies of `rows` (arrays of one item size) as big-endian bytes, or None where `signed` and a
+    value is negative (its bytes would sort after the positive ones')."""
+    keys = []
+    for sample in rows:
+        row = sample[:]
+        if sys.byteorder == "little":
+            row.byteswap()
+        key = row.tobytes()
+        if signed and not key[::row.itemsize].isascii():  # a first byte >= 128: a sign bit set
+            return None
+        keys.append(key)
+    return keys
+
+
 def _packed(samples: Sequence[Sequence[int]]) -> tuple[list[bytes], int] | None:
     """Each sample as big-endian unsigned bytes of one width (4 or 8 per token), whose byte order
     is the tokens' order (so sorting and common prefixes run in C), or None where an id is negative
-    or past 2**64 - 1 (then the samples are compared as lists). Samples given as array('Q') are
-    copied as they are."""
-    rows: list[array] | None = None
-    if all(isinstance(sample, array) and sample.typecode == "Q" for sample in samples):
-        rows = []
-        for sample in samples:
-            row = array("Q")
-            row.frombytes(sample.tobytes())
-            rows.append(row)
-    else:
-        for code in ("I", "Q"):
-            try:
-                rows = [array(code, sample) for sample in samples]
-                break
-            except (OverflowError, TypeError):
-                continue
-    if rows is None:
-        return None
-    if sys.byteorder == "little":
-        for row in rows:
-            row.byteswap()
-    return [row.tobytes() for row in rows], rows[0].itemsize if rows else 8
+    or past 2**64 - 1 (then the samples are compared as lists). Samples given as arrays of one item
+    size ('I', or 'q' / 'Q') are copied as they are."""
+    codes = {sample.typecode if isinstance(sample, array) else None for sample in samples}
+    if codes <= {"I"} or codes <= {"q", "Q"}:
+        code = codes.pop() if codes else "I"
+        keys = _big_endian(samples, signed=code == "q")  # type: ignore[arg-type]
+        if keys is not None:
+            return keys, array(code).itemsize
+    for code in ("I", "Q"):
+        try:
+            rows = [array(code, sample) for sample in samples]
+        except (OverflowError, TypeError):
+            continue
+        keys = _big_endian(rows, signed=False)
+        return (keys, rows[0].itemsize) if keys is not None else None
+    return None
 
 
 def _common_bytes(a: bytes, b: bytes, width: int) -> int:

@@ -35,8 +35,9 @@ def _refuse_id(values: Sequence[Any], index: int) -> None:
 
 
 def sample_ids(sample: Any, index: int) -> array:
-    """samples[index]'s ids (a 1-D integer tensor or a sequence of ints), as array('Q'), refused by
-    name where an id is no int (a float is never truncated, a string never parsed) or negative."""
+    """samples[index]'s ids (a 1-D integer tensor or a sequence of ints) as an array ('I' where
+    they fit in 32 bits, else 'q'), refused by name where an id is no int (a float is never
+    truncated, a string never parsed) or negative."""
     if isinstance(sample, torch.Tensor):
         if (sample.dim() != 1 or sample.dtype.is_floating_point or sample.dtype.is_complex
                 or sample.dtype == torch.bool or sample.device.type == "meta"):
@@ -49,7 +50,11 @@ def sample_ids(sample: Any, index: int) -> array:
         raise TypeError(f"{NAME}: samples[{index}] must be a 1-D tensor or a list of ids, got "
                         f"{type(sample).__name__}")
     try:
-        ids = array("q", values)  # a float, a string, None: TypeError, never converted
+        return array("I", values)  # a float, a string, None: TypeError, never converted
+    except (TypeError, OverflowError):
+        pass
+    try:
+        ids = array("q", values)
     except (TypeError, OverflowError):
         _refuse_id(values, index)
         raise
@@ -57,9 +62,7 @@ def sample_ids(sample: Any, index: int) -> array:
     signs = raw[ids.itemsize - 1::ids.itemsize] if sys.byteorder == "little" else raw[::ids.itemsize]
     if not signs.isascii():  # a byte >= 128 holds a sign bit: a negative id
         _refuse_id(values, index)
-    unsigned = array("Q")
-    unsigned.frombytes(raw)
-    return unsigned
+    return ids
 
 
 class _FirstFit:
