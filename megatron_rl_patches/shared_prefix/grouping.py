@@ -17,6 +17,7 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,12 @@ def _packed(samples: Sequence[Sequence[int]]) -> tuple[list[bytes], int] | None:
     is the tokens' order (so sorting and common prefixes run in C), or None where an id is negative
     or past 2**64 - 1 (then the samples are compared as lists). Samples given as arrays of one item
     size ('I', or 'q' / 'Q') are copied as they are."""
-    codes = {sample.typecode if isinstance(sample, array) else None for sample in samples}
-    if codes <= {"I"} or codes <= {"q", "Q"}:
-        code = codes.pop() if codes else "I"
-        keys = _big_endian(samples, signed=code == "q")  # type: ignore[arg-type]
+    codes = {sample.typecode if isinstance(sample, array) else "" for sample in samples}
+    if codes and (codes <= {"I"} or codes <= {"q", "Q"}):
+        keys = _big_endian(samples, signed="q" in codes)  # type: ignore[arg-type]
         if keys is not None:
-            return keys, array(code).itemsize
+            return keys, 4 if codes == {"I"} else 8
+    code: Literal["I", "Q"]
     for code in ("I", "Q"):
         try:
             rows = [array(code, sample) for sample in samples]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs
@@ -52,10 +53,10 @@ def measure(plan: dict) -> list[dict]:
             for n in plan["sizes"]:
                 samples = samples_of(n, plan["prompt"], plan["response"], shape)
                 if call == "find_groups":
-                    seconds, groups = least_cpu(lambda s=samples: find_groups(s), plan["runs"])
+                    seconds, groups = least_cpu(partial(find_groups, samples), plan["runs"])
                     row = {"groups": sum(1 for g in groups if g.shared)}
                 else:
-                    seconds, batches = least_cpu(lambda s=samples: shared_prefix_micro_batches(s, budget), plan["runs"])
+                    seconds, batches = least_cpu(partial(shared_prefix_micro_batches, samples, budget), plan["runs"])
                     row = {"micro_batches": len(batches)}
                 rows.append({"call": call, "samples_share": shape, "n": n, "cpu_s": seconds,
                              "vs_quarter": seconds / previous if previous else None, **row})
