@@ -35,7 +35,7 @@ def _refuse_id(values: Sequence[Any], index: int) -> None:
 
 
 def sample_ids(sample: Any, index: int) -> array:
-    """samples[index]'s ids (a 1-D integer tensor or a sequence of ints) as an array ('I' where
+    """samples[index]'s ids (a 1-D integer tensor or array, or a sequence of ints) as an array ('I' where
     they fit in 32 bits, else 'q'), refused by name where an id is no int (a float is never
     truncated, a string never parsed) or negative."""
     if isinstance(sample, torch.Tensor):
@@ -46,6 +46,8 @@ def sample_ids(sample: Any, index: int) -> array:
         values: Any = sample.tolist()
     elif isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
         values = sample
+    elif getattr(sample, "ndim", None) == 1 and callable(getattr(sample, "tolist", None)):  # a NumPy array
+        values = sample.tolist()
     else:
         raise TypeError(f"{NAME}: samples[{index}] must be a 1-D tensor or a list of ids, got "
                         f"{type(sample).__name__}")
