@@ -236,6 +236,10 @@ def runs_saving_most(adjacent: Sequence[int], min_shared: int = 1, steps: list[i
     whose slope h and intercept hold until the segment is merged into one of a lower h (a convex hull
     of (first, best[first]) answers the intercept at the merge; the smaller hull moves). The lines
     of the stack form an upper envelope answered by binary search. Each step O(log n) amortised.
+    Ties as the quadratic programme broke them (the largest first among equal savings): a hull drops
+    only points on or under a chord (never the rightmost of its maxima at any slope), the envelope
+    only lines never strictly above both neighbours (never the latest of its maxima), and both
+    queries take the right one of two equal candidates.
     `steps`, where given, gets one count per inner step (hull and envelope moves): the growth a test
     checks."""
     n = len(adjacent) + 1
