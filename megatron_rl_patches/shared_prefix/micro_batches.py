@@ -4,9 +4,13 @@ A hand-written loop cuts its samples into micro-batches of at most `max_tokens` 
 will compute them under shared-prefix plans. A group stays whole in one micro-batch unless it alone
 exceeds the budget; then it is cut into parts, each carrying the prefix again. Groups are placed
 first-fit, largest first (fewer micro-batches than placing them in order), and every micro-batch
-keeps its samples in their original order."""
+keeps its samples in their original order. The cost grows as n log n in the samples (the grouping's
+and the first fit's), whether they share one prompt or none."""
 from __future__ import annotations
 
+import operator
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,32 +18,94 @@ import torch
 
 from megatron_rl_patches.shared_prefix.grouping import find_groups
 
+NAME = "shared_prefix_micro_batches"
+LARGEST_ID = 2 ** 63 - 1  # an int64 tensor's
 
-def _values(sample: Any, index: int) -> list[int]:
+
+def _refuse_id(values: Sequence[Any], index: int) -> None:
+    """The first id of samples[index] that is not an int in [0, 2**63), refused by name."""
+    for position, value in enumerate(values):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{NAME}: samples[{index}][{position}] must be an int token id, got {value!r} "
+                            f"({type(value).__name__}); pass the ids as ints") from None
+        if not 0 <= number <= LARGEST_ID:
+            raise ValueError(f"{NAME}: samples[{index}][{position}] is {number}, not a token id (0 to 2**63 - 1)")
+
+
+def sample_ids(sample: Any, index: int) -> array:
+    """samples[index]'s ids (a 1-D integer tensor or array, or a sequence of ints) as an array ('I' where
+    they fit in 32 bits, else 'q'), refused by name where an id is no int (a float is never
+    truncated, a string never parsed) or negative."""
     if isinstance(sample, torch.Tensor):
-        if sample.dim() != 1 or sample.dtype.is_floating_point or sample.device.type == "meta":
-            raise ValueError(f"shared_prefix_micro_batches: samples[{index}] must be a 1-D tensor of ids, got "
+        if (sample.dim() != 1 or sample.dtype.is_floating_point or sample.dtype.is_complex
+                or sample.dtype == torch.bool or sample.device.type == "meta"):
+            raise ValueError(f"{NAME}: samples[{index}] must be a 1-D tensor of ids, got "
                              f"{tuple(sample.shape)} {sample.dtype} on {sample.device}")
-        return [int(x) for x in sample.tolist()]
-    if isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
-        return [int(x) for x in sample]
-    raise TypeError(f"shared_prefix_micro_batches: samples[{index}] must be a 1-D tensor or a list of ids, got "
-                    f"{type(sample).__name__}")
+        values: Any = sample.tolist()
+    elif isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
+        values = sample
+    elif getattr(sample, "ndim", None) == 1 and callable(getattr(sample, "tolist", None)):  # a NumPy array
+        values = sample.tolist()
+    else:
+        raise TypeError(f"{NAME}: samples[{index}] must be a 1-D tensor or a list of ids, got "
+                        f"{type(sample).__name__}")
+    try:
+        return array("I", values)  # a float, a string, None: TypeError, never converted
+    except (TypeError, OverflowError):
+        pass
+    try:
+        ids = array("q", values)
+    except (TypeError, OverflowError):
+        _refuse_id(values, index)
+        raise
+    raw = ids.tobytes()
+    signs = raw[ids.itemsize - 1::ids.itemsize] if sys.byteorder == "little" else raw[::ids.itemsize]
+    if not signs.isascii():  # a byte >= 128 holds a sign bit: a negative id
+        _refuse_id(values, index)
+    return ids
 
 
-def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_shared: int = 1) -> list[list[int]]:
-    """The samples' indices per micro-batch, each micro-batch at most `max_tokens` physical tokens
-    (what its shared-prefix plan computes: each group's shared prefix once, each member's own tokens).
-    A sample longer than `max_tokens` is refused by name (no micro-batch holds it)."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"shared_prefix_micro_batches: max_tokens must be an int >= 1, got {max_tokens!r}")
-    values = [_values(sample, i) for i, sample in enumerate(samples)]
-    for i, sample in enumerate(values):
-        if not sample:
-            raise ValueError(f"shared_prefix_micro_batches: samples[{i}] is empty")
-        if len(sample) > max_tokens:
-            raise ValueError(f"shared_prefix_micro_batches: samples[{i}] has {len(sample)} tokens, more than "
-                             f"max_tokens={max_tokens}: raise max_tokens or cut the sample")
+class _FirstFit:
+    """Bins of one capacity filled first-fit: the first bin with room found in O(log bins) (a tree
+    of the most room left per range of bins), not by a scan of every bin."""
+
+    def __init__(self, capacity: int, most_bins: int) -> None:
+        self.capacity = capacity
+        self.leaves = 1
+        while self.leaves < max(1, most_bins):
+            self.leaves *= 2
+        self.room = [-1] * (2 * self.leaves)  # bins not yet opened: no room (opened on demand)
+        self.used: list[int] = []
+        self.held: list[list[int]] = []
+
+    def _set(self, bin_index: int, room: int) -> None:
+        node = self.leaves + bin_index
+        self.room[node] = room
+        node //= 2
+        while node:
+            self.room[node] = max(self.room[2 * node], self.room[2 * node + 1])
+            node //= 2
+
+    def place(self, cost: int, members: list[int]) -> None:
+        if self.room[1] >= cost:
+            node = 1
+            while node < self.leaves:  # the leftmost bin with room
+                node = 2 * node if self.room[2 * node] >= cost else 2 * node + 1
+            bin_index = node - self.leaves
+            self.used[bin_index] += cost
+            self.held[bin_index].extend(members)
+        else:
+            bin_index = len(self.used)
+            self.used.append(cost)
+            self.held.append(list(members))
+        self._set(bin_index, self.capacity - self.used[bin_index])
+
+
+def physical_micro_batches(values: Sequence[Sequence[int]], max_tokens: int, min_shared: int = 1) -> list[list[int]]:
+    """The micro-batches of `values` (checked ids) at most `max_tokens` physical tokens each; a
+    sample longer than `max_tokens` alone in its own (as slime's first fit places one)."""
     parts: list[tuple[int, list[int]]] = []  # (physical tokens, members)
     for group in find_groups(values, min_shared):
         part: list[int] = []
@@ -54,12 +120,29 @@ def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_
             part.append(member)
             cost += own
         parts.append((cost, part))
-    bins: list[tuple[int, list[int]]] = []
+    bins = _FirstFit(max_tokens, len(parts))
     for cost, members in sorted(parts, key=lambda p: (-p[0], p[1][0])):
-        for index, (used, held) in enumerate(bins):
-            if used + cost <= max_tokens:
-                bins[index] = (used + cost, held + members)
-                break
-        else:
-            bins.append((cost, list(members)))
-    return sorted((sorted(held) for _, held in bins), key=lambda held: held[0])
+        bins.place(cost, members)
+    return sorted((sorted(held) for held in bins.held), key=lambda held: held[0])
+
+
+def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_shared: int = 1) -> list[list[int]]:
+    """The samples' indices per micro-batch, each micro-batch at most `max_tokens` physical tokens
+    (what its shared-prefix plan computes: each group's shared prefix once, each member's own tokens).
+    A sample longer than `max_tokens` is refused by name (no micro-batch holds it)."""
+    if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
+        raise TypeError(f"{NAME}: samples must be a list of samples (each a 1-D tensor or a list of ids), got "
+                        f"{type(samples).__name__}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"{NAME}: max_tokens must be an int >= 1, got {max_tokens!r}")
+    if not isinstance(min_shared, int) or isinstance(min_shared, bool) or min_shared < 1:
+        raise ValueError(f"{NAME}: min_shared must be an int >= 1 (the fewest leading tokens a group shares), "
+                         f"got {min_shared!r}")
+    values = [sample_ids(sample, i) for i, sample in enumerate(samples)]
+    for i, sample in enumerate(values):
+        if not sample:
+            raise ValueError(f"{NAME}: samples[{i}] is empty")
+        if len(sample) > max_tokens:
+            raise ValueError(f"{NAME}: samples[{i}] has {len(sample)} tokens, more than "
+                             f"max_tokens={max_tokens}: raise max_tokens or cut the sample")
+    return physical_micro_batches(values, max_tokens, min_shared)

@@ -167,6 +167,9 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
         if plan.physical_length and int(plan.tokens.max()) >= vocab:
             raise ValueError(f"shared prefix: token id {int(plan.tokens.max())} is past the model's vocabulary "
                              f"({vocab} ids)")
+        if plan.physical_length and int(plan.tokens.min()) < 0:
+            raise ValueError(f"shared prefix: token id {int(plan.tokens.min())} is negative: the model's ids are 0 "
+                             f"to {vocab - 1}")
         call.set("input_ids", plan.on(ids.device, "tokens")[None])
         call.set("position_ids", plan.on(ids.device, "positions")[None])
     if call.get("padding_mask") is not None:

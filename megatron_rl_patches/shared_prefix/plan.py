@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.grouping import Group, find_groups
+from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,13 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     samples = n if samples is None else _count("samples", samples, 0)
     if samples > n:
         raise ValueError(f"plan_shared_prefix: samples={samples} but cu_seqlens holds {n} sequences")
-    pad_to, min_shared = _count("pad_to", pad_to, 1), _count("min_shared", min_shared, 1)
+    pad_to, min_shared = bounded_pad_to(_count("pad_to", pad_to, 1), ids.numel()), _count("min_shared", min_shared, 1)
+    no_negative_id(ids, bounds)
     starts, ends = bounds[:samples], bounds[1:samples + 1]
     if any(end <= start for start, end in zip(starts, ends)):
         raise ValueError("plan_shared_prefix: a sample of length 0 (cu_seqlens repeats a boundary); "
                          "pack only non-empty samples")
-    if hints is not None and len(hints) != samples:
-        raise ValueError(f"plan_shared_prefix: hints must hold one entry per sample ({samples}), got {len(hints)}")
+    hints = hint_values(hints, samples)
     values = ids.tolist()
     sequences = [values[start:end] for start, end in zip(starts, ends)]
     groups = find_groups(sequences, min_shared)

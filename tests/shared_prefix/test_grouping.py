@@ -89,3 +89,88 @@ def test_the_groups_are_the_same_whatever_order_ties_come_in():
     samples = [[7, 7, 1], [7, 7, 2], [3, 3, 3], [7, 7, 1]]
     assert find_groups(samples) == find_groups([list(s) for s in samples])
     assert find_groups(samples)[0].members == (0, 1, 3)
+
+
+def _quadratic_groups(samples, min_shared=1):
+    """The dynamic programme as it was (O(n^2): every run ending at each sorted sample), kept as the
+    reference the fast one must equal, ties included."""
+    order = sorted(range(len(samples)), key=lambda i: (list(samples[i]), i))
+    adjacent = [common_length(samples[order[j]], samples[order[j + 1]]) for j in range(len(order) - 1)]
+    best, start = [0] * (len(order) + 1), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        best[end], start[end] = best[end - 1], end - 1
+        shared = None
+        for first in range(end - 2, -1, -1):
+            shared = adjacent[first] if shared is None else min(shared, adjacent[first])
+            if shared < min_shared:
+                break
+            saved = best[first] + (end - 1 - first) * shared
+            if saved > best[end]:
+                best[end], start[end] = saved, first
+    runs, end = [], len(order)
+    while end > 0:
+        first = start[end]
+        shared = min(adjacent[first:end - 1]) if end - first > 1 else 0
+        runs.append(Group(tuple(sorted(order[first:end])), shared))
+        end = first
+    return sorted(runs, key=lambda group: group.members[0])
+
+
+# few token values and shared stems: many ties, runs inside runs; odd ids take the lists' path
+_token = st.one_of(st.integers(0, 2), st.integers(0, 2), st.sampled_from([-1, 2 ** 40, 2 ** 70]))
+_stems = st.lists(st.lists(_token, min_size=0, max_size=5), min_size=1, max_size=3)
+
+
+@given(_stems, st.lists(st.tuples(st.integers(0, 2), st.lists(_token, max_size=4)), min_size=1, max_size=40),
+       st.integers(1, 4))
+def test_the_fast_groups_equal_the_quadratic_ones_ties_and_all(stems, picks, min_shared):
+    samples = [stems[stem % len(stems)] + tail or [0] for stem, tail in picks]
+    assert find_groups(samples, min_shared) == _quadratic_groups(samples, min_shared)
+
+
+def _adjacent_patterns(n):
+    """What sorted neighbours share, in the shapes that stress a stack of minima: one prompt for
+    all, rising, falling, a tent, a sawtooth, deep valleys, binary nesting."""
+    return {"one prompt": [1024] * (n - 1), "rising": list(range(1, n)), "falling": list(range(n - 1, 0, -1)),
+            "tent": [min(i, n - i) + 1 for i in range(n - 1)], "sawtooth": [1 + i % 64 for i in range(n - 1)],
+            "valleys": [1 if i % 2 else 1000 + i for i in range(n - 1)],
+            "nested": [1 + bin(i + 1)[::-1].index("1") for i in range(n - 1)]}
+
+
+def _quadratic_steps(adjacent):
+    """The old programme's inner steps (the runs it tried)."""
+    steps = 0
+    for end in range(1, len(adjacent) + 2):
+        shared = None
+        for first in range(end - 2, -1, -1):
+            shared = adjacent[first] if shared is None else min(shared, adjacent[first])
+            steps += 1
+    return steps
+
+
+def test_the_programmes_steps_grow_as_n_log_n_not_n_squared():
+    from megatron_rl_patches.shared_prefix.grouping import runs_saving_most
+
+    small, large = _adjacent_patterns(512), _adjacent_patterns(2048)
+    for name in small:
+        counts = []
+        for adjacent in (small[name], large[name]):
+            steps: list[int] = []
+            runs_saving_most(adjacent, 1, steps)
+            counts.append(steps[0])
+            n = len(adjacent) + 1
+            assert steps[0] <= 3 * n * n.bit_length(), name  # n log n, with room for the constant
+        assert counts[1] <= 5.5 * counts[0], (name, counts)  # 4x samples: at most 4 * 11 / 9 (n log n) and change
+    quadratic = [_quadratic_steps(_adjacent_patterns(n)["one prompt"]) for n in (128, 512)]
+    assert quadratic[1] >= 14 * quadratic[0]  # what the ratio catches: the old programme's 4x samples, 16x steps
+
+
+def test_runs_saving_most_reads_only_what_neighbours_share():
+    from megatron_rl_patches.shared_prefix.grouping import runs_saving_most
+
+    assert runs_saving_most([]) == [0]
+    assert runs_saving_most([5, 5, 5]) == [0]  # one run of four
+    assert runs_saving_most([5, 0, 5]) == [0, 2]  # nothing crosses a zero
+    assert runs_saving_most([3, 9, 3], min_shared=4) == [0, 1, 3]  # only the middle pair shares 4
+    assert runs_saving_most([2, 10, 10, 2]) == [0, 1, 4]  # 1..3 share 10 (20 saved), not all five 2 (8)
+    assert runs_saving_most([2, 4]) == [0, 1]  # a tie (all three at 2, or 1 and 2 at 4: 4 each): the shorter last run

@@ -54,7 +54,35 @@ def test_a_group_stays_whole_where_it_fits_and_is_cut_with_its_prefix_where_not(
     ([[]], 4, r"samples\[0\] is empty"),
     ([torch.ones(2, 2, dtype=torch.long)], 4, "1-D tensor of ids"),
     (["abc"], 4, "1-D tensor or a list of ids"),
+    ([[1, 2], [1, 1.7]], 4, r"samples\[1\]\[1\] must be an int token id, got 1.7 \(float\)"),
+    ([[1, "2"]], 4, r"samples\[0\]\[1\] must be an int token id, got '2' \(str\)"),
+    ([[1, None, 3]], 4, r"samples\[0\]\[1\] must be an int token id, got None"),
+    ([[1, 2], [3, -1]], 4, r"samples\[1\]\[1\] is -1, not a token id"),
+    ([[1, 2 ** 64]], 4, r"samples\[0\]\[1\] is 18446744073709551616, not a token id"),
+    ([torch.tensor([1.0, 2.0])], 4, "1-D tensor of ids"),
+    ([torch.tensor([True, False])], 4, "1-D tensor of ids"),
+    (None, 4, "samples must be a list of samples"),
+    (torch.tensor([[1, 2]]), 4, "samples must be a list of samples"),
 ])
 def test_bad_input_is_refused_by_name(samples, budget, message):
     with pytest.raises((ValueError, TypeError), match=message):
         shared_prefix_micro_batches(samples, budget)
+
+
+@pytest.mark.parametrize("min_shared", ["x", -5, 0, 1.5, True, None])
+def test_a_min_shared_that_is_no_count_of_tokens_is_refused_by_name(min_shared):
+    with pytest.raises(ValueError, match=rf"min_shared must be an int >= 1 .*got {min_shared!r}"):
+        shared_prefix_micro_batches([[1, 2, 3], [1, 2, 4]], 8, min_shared=min_shared)
+
+
+def test_ids_in_every_form_give_the_same_micro_batches_and_are_left_as_given():
+    import numpy as np
+
+    samples = _grpo([30, 20], 4)
+    forms = [samples, [torch.tensor(s) for s in samples], [tuple(s) for s in samples],
+             [np.array(s) for s in samples], [[np.int64(t) for t in s] for s in samples],
+             [[2 ** 40 + t for t in s] for s in samples]]  # past 32 bits: the 64-bit path
+    given = [list(s) for s in samples]
+    results = [shared_prefix_micro_batches(form, 60) for form in forms]
+    assert all(result == results[0] for result in results) and len(results[0]) == 2  # a group each
+    assert samples == given

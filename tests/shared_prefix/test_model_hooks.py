@@ -207,6 +207,14 @@ def test_bad_input_is_refused_by_name_and_an_unprepared_model_never_computes_sil
     far = grpo_batch(vocab=80)
     with pytest.raises(ValueError, match="past the model's vocabulary"):
         model(far.tokens, None, None, packed_seq_params=shared_prefix_params(far.plan()))
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+    # plan_shared_prefix refuses -1 itself; a plan made by other hands meets the hook
+    negative = plan_shared_prefix(batch.tokens.clone(), batch.cu_seqlens, samples=batch.samples)
+    negative.tokens[negative.logical_rows[3]] = -1
+    negative.logical_tokens[3] = -1
+    with pytest.raises(ValueError, match="token id -1 is negative: the model's ids are 0 to 63"):
+        model(negative.logical_tokens[None].clone(), None, None, packed_seq_params=shared_prefix_params(negative))
     with pytest.raises(TypeError, match="must be a SharedPrefixPlan"):
         shared_prefix_params(batch.tokens)
     with pytest.raises(ValueError, match="no megatron-core language model"):

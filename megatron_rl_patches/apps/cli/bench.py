@@ -40,6 +40,7 @@ BENCHMARKS = {
     "context": "megatron_rl_patches.apps.bench.context_pass",
     "self-teacher": "megatron_rl_patches.apps.bench.live_teacher",
     "shared-prefix": "megatron_rl_patches.apps.bench.shared_prefix",
+    "grouping": "megatron_rl_patches.apps.bench.grouping",
 }
 # Left out of `bench all --quick` (make test runs it): a spawned world's start-up alone takes half
 # a minute on a busy 2-core machine, and so does transformers' model (hidden-dtypes); the
@@ -58,6 +59,7 @@ DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fu
              "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "teacher-layout": "3-5 min",
              "share-scores": "3-6 min", "hidden-dtypes": "3-5 min", "load": "3-4 min",
              "context": "2-3 min", "self-teacher": "2-3 min", "shared-prefix": "6-9 min",
+             "grouping": "20-40 s",
              "shared-prefix-attention": "1 min on a GPU"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd", "invariant")

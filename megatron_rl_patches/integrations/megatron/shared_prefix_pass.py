@@ -85,12 +85,15 @@ def logged(prefix: PrefixPass | None) -> Iterator[None]:
 
 def whole_reason(tokens: Any, packed_seq_params: Any, vocab: int | None) -> str | None:
     """Why a micro-batch is packed whole, or None: padding between a sample's rows (its
-    `cu_seqlens_q_padded`), or an id past the vocabulary."""
+    `cu_seqlens_q_padded`), or an id past the vocabulary or negative (the plan refuses it; packed
+    whole, the model's own embedding meets it)."""
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     if padded is not None and not bool((padded.cpu() == packed_seq_params.cu_seqlens_q.cpu()).all()):
         return "padding between a sample's rows (cu_seqlens_q_padded)"
     if vocab is not None and tokens.numel() and int(tokens.max()) >= vocab:
         return f"an id past the vocabulary ({int(tokens.max())} >= {vocab})"
+    if tokens.numel() and int(tokens.min()) < 0:
+        return f"a negative id ({int(tokens.min())})"
     return None
 
 

@@ -21,6 +21,7 @@ LOSS = "slime.backends.megatron_utils.loss"
 ACTOR = "slime.backends.megatron_utils.actor"
 METRICS = "slime.observability.train_metric_utils"
 ROLLOUT = "slime.ray.rollout"  # the rollout manager's module (its process applies the patches too)
+SCHEDULE = "slime.utils.dp_schedule"  # the rollout manager's micro-batch schedule (its first fit)
 GENERATE = "slime.rollout.sglang_rollout"  # the rollout's generate_and_rm (in the rollout manager's process)
 SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
@@ -76,6 +77,17 @@ PATCHES = (
            ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy")),
     _fused(f"{ACTOR}:forward_only", "forward_only_wrapper",
            "the same, where slime's actor bound forward_only at import", ("f", "args", "model"), optional=True),
+    *(_record("slime_fused", target, f"{HERE}.micro_batches:{wrapper}", description, params, optional=True)
+      for target, wrapper, description, params in (
+          (f"{ROLLOUT}:RolloutManager._split_train_data_by_dp", "split_wrapper",
+           "with shared-prefix packing on, the rollout's tokens held while slime schedules its micro-batches",
+           ("self", "data")),
+          (f"{ROLLOUT}:build_dp_schedule", "schedule_wrapper",
+           "the schedule's sample lengths knowing their samples (with shared-prefix packing on)",
+           ("args", "train_parallel_config", "total_lengths")),
+          (f"{SCHEDULE}:first_fit_pack", "first_fit_wrapper",
+           "--max-tokens-per-gpu counting the tokens the model computes: a group's prompt once, the group whole "
+           "where it fits (with shared-prefix packing on)", ("total_lengths", "max_tokens_per_bin")))),
     _opd(f"{ACTOR}:MegatronTrainRayActor.init", "opd:init_wrapper",
          "top-k OPD teachers loaded after slime's actor init (MEGATRON_RL_PATCHES_OPD_TEACHERS)",
          ("self", "args", "role", "with_ref", "with_opd_teacher")),

@@ -51,7 +51,13 @@ def test_a_micro_batch_a_plan_does_not_take_is_packed_whole_and_counted(megatron
     padded = batch.thd_params()
     padded.cu_seqlens_q_padded = padded.cu_seqlens_q + torch.arange(padded.cu_seqlens_q.numel(), dtype=torch.int32)
     assert planned.params(batch.tokens, padded, batch.samples) is padded
-    assert planned.figures == {"packed_whole": 2}
+    negative = batch.tokens.clone()
+    negative[0, 5] = -1  # the plan refuses it by name; the pass packs it whole, as an id past the vocabulary
+    given = batch.thd_params()
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert planned.params(negative, given, batch.samples) is given
+    assert "a negative id (-1)" in caplog.text
+    assert planned.figures == {"packed_whole": 3}
 
 
 def test_a_model_the_plan_cannot_run_packs_each_sample_whole_with_one_warning(megatron_cpu, clean_patch_state,

@@ -1,0 +1,88 @@
+"""slime's dynamic micro-batches counted in the tokens the model computes (issue 111, item 7).
+
+With `--use-dynamic-batch-size --max-tokens-per-gpu N`, slime's rollout manager packs each step's
+samples first-fit by their lengths (`slime.utils.dp_schedule` calls
+`slime.utils.seqlen_balancing.first_fit_pack(step_lengths, N * cp_size)`). With shared-prefix
+packing on (MEGATRON_RL_PATCHES_SHARED_PREFIX=1), a micro-batch computes each group's prompt once,
+so N counts physical tokens instead: the step's samples are packed as `shared_prefix_micro_batches`
+packs them (a group whole where it fits, cut with its prompt again only where it alone exceeds N; a
+sample longer than N alone, as slime places one), and the memory a shared prompt saves becomes more
+samples per micro-batch. 8 groups of 8 samples at P = 1,024, R = 128 and N = 9,216: 8 micro-batches
+counted whole, 2 counted as computed.
+
+The lengths slime's first fit sees carry no tokens, so three doors pass them: the split
+(`RolloutManager._split_train_data_by_dp(data)`) holds the rollout's tokens while it runs, the
+schedule (`build_dp_schedule`, as the rollout module calls it) is handed lengths that know their
+sample (`SampleLength`, an int), and the first fit packs those by their samples' tokens. slime's own
+lengths (any other caller) and slime's other packings (`--balance-by-flops`, fixed micro-batch
+sizes) run as slime wrote them; so does everything with the setting off."""
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from megatron_rl_patches.integrations.slime.step_plan import held_settings
+from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids
+
+_TOKENS: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar("slime_rollout_tokens", default=None)
+
+
+class SampleLength(int):
+    """A sample's token count (slime sums and compares it as the int it is) that knows which
+    sample of the rollout's data it counts (`index`)."""
+
+    index: int
+
+    def __new__(cls, length: int, index: int) -> SampleLength:
+        counted = super().__new__(cls, length)
+        counted.index = index
+        return counted
+
+
+def _argument(name: str, position: int, args: tuple, kwargs: dict) -> Any:
+    return kwargs[name] if name in kwargs else args[position] if len(args) > position else None
+
+
+def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with shared-prefix
+    packing on, the rollout's tokens held while the split schedules its micro-batches."""
+    data = _argument("data", 0, args, kwargs)
+    if not held_settings(getattr(instance, "args", None))[1] or not isinstance(data, Mapping) or "tokens" not in data:
+        return wrapped(*args, **kwargs)
+    held = _TOKENS.set(data["tokens"])
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _TOKENS.reset(held)
+
+
+def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `build_dp_schedule(args, train_parallel_config, total_lengths, ...)` as
+    slime's rollout module calls it: inside a split holding the rollout's tokens, each length handed
+    on as a `SampleLength` of its sample."""
+    tokens = _TOKENS.get()
+    lengths = _argument("total_lengths", 2, args, kwargs)
+    if tokens is None or not isinstance(lengths, Sequence) or len(lengths) != len(tokens):
+        return wrapped(*args, **kwargs)
+    counted = [SampleLength(length, index) for index, length in enumerate(lengths)]
+    if "total_lengths" in kwargs:
+        kwargs = {**kwargs, "total_lengths": counted}
+    else:
+        args = (*args[:2], counted, *args[3:])
+    return wrapped(*args, **kwargs)
+
+
+def first_fit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `first_fit_pack(total_lengths, max_tokens_per_bin)` as slime's schedule
+    calls it: lengths that know their samples packed by the tokens the model computes (each
+    micro-batch's indices into `total_lengths`, in order); any other lengths as slime packs them."""
+    tokens = _TOKENS.get()
+    lengths = _argument("total_lengths", 0, args, kwargs)
+    budget = _argument("max_tokens_per_bin", 1, args, kwargs)
+    if (tokens is None or not isinstance(lengths, Sequence) or not lengths
+            or not all(isinstance(length, SampleLength) for length in lengths)
+            or not isinstance(budget, int) or budget < 1):
+        return wrapped(*args, **kwargs)
+    samples = [sample_ids(tokens[length.index], length.index) for length in lengths]
+    return physical_micro_batches(samples, budget)

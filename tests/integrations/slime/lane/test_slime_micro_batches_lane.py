@@ -1,0 +1,113 @@
+"""slime 624b824a's real rollout manager schedules `--use-dynamic-batch-size --max-tokens-per-gpu N`
+micro-batches in the tokens the model computes with shared-prefix packing on (`slime_fused`, issue
+111 item 7): 8 groups of 8 samples at P = 1,024, R = 128 and N = 9,216 take 8 micro-batches counted
+whole and 2 counted as computed (each group whole, every micro-batch's plan within N), at data-parallel
+sizes 1 and 2; with the setting off, or unpatched, slime's own schedule to the index. One fresh
+interpreter per case (slime_micro_batches.py), as slime_rollout_split.py runs. Then slime's real
+train_actor on the fewer micro-batches equals its step on the micro-batches counted whole."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slime
+HERE = os.path.dirname(__file__)
+
+
+def schedule(patched: bool, shared: str) -> dict:
+    env = {**os.environ, "MEGATRON_RL_PATCHES_SHARED_PREFIX": shared}
+    env.pop("MEGATRON_RL_PATCHES", None)
+    done = subprocess.run([sys.executable, os.path.join(HERE, "slime_micro_batches.py"),
+                           "patched" if patched else "unpatched"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_slimes_own_schedule_counts_the_tokens_the_model_computes_with_sharing_on(slime_cpu):
+    unpatched = schedule(False, "1")
+    assert unpatched["wrapped"] == [False]
+    (whole,) = unpatched["dp1"]
+    assert len(whole["micro_batches"]) == 8 and max(whole["logical"]) <= 9216  # 8 samples of 1,152 each
+    off = schedule(True, "0")
+    assert off["wrapped"] == [True] and (off["dp1"], off["dp2"]) == (unpatched["dp1"], unpatched["dp2"])
+
+    shared = schedule(True, "1")
+    assert shared["wrapped"] == [True]
+    (one,) = shared["dp1"]
+    assert len(one["micro_batches"]) == 2 and one["num_microbatches"] == [2]
+    assert sorted(i for batch in one["micro_batches"] for i in batch) == list(range(64))
+    assert all(physical <= 9216 < logical for physical, logical in zip(one["physical"], one["logical"]))
+    for batch in one["micro_batches"]:  # each group whole in one micro-batch: 4 groups of 8, 8,192 tokens computed
+        assert sorted(batch) == sorted(g * 8 + m for g in {i // 8 for i in batch} for m in range(8))
+    assert one["physical"] == [4 * (1024 + 8 * 128)] * 2
+    two = shared["dp2"]  # two ranks: one micro-batch each, the step's samples once
+    assert [rank["num_microbatches"] for rank in two] == [[1], [1]]
+    assert sorted(i for rank in two for i in rank["partition"]) == list(range(64))
+    assert all(p <= 9216 for rank in two for p in rank["physical"])
+
+
+SMALL = {"groups": 4, "group": 4, "prompt": 24, "response": 6}  # the lane model's 64 positions hold a sample
+
+
+def small_rollout(vocab: int, micro_batches: list[list[int]]) -> dict:
+    """4 GRPO groups of 4 samples (slime's per-sample fields; one masked response token each)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, masks, advantages = [], [], []
+    for _ in range(SMALL["groups"]):
+        prompt = torch.randint(0, vocab, (SMALL["prompt"],), generator=gen)
+        for _ in range(SMALL["group"]):
+            tokens.append(torch.cat([prompt, torch.randint(0, vocab, (SMALL["response"],), generator=gen)]))
+            mask = torch.ones(SMALL["response"], dtype=torch.int)
+            mask[SMALL["response"] // 2] = 0
+            masks.append(mask)
+            advantages.append(torch.randn(SMALL["response"], generator=gen))
+    return {"tokens": tokens, "total_lengths": [len(t) for t in tokens],
+            "response_lengths": [SMALL["response"]] * len(tokens), "loss_masks": masks, "advantages": advantages,
+            "micro_batch_indices": micro_batches}
+
+
+def test_a_step_on_the_fewer_micro_batches_equals_slimes_step_counted_whole(slime_cpu):
+    """slime's real train_actor (reference pass, log-prob pass, two snapshot teachers, train()) on the
+    micro-batches each schedule gives, setting off (slime's first fit by whole lengths: 4) and on (the
+    package's, as the patched first fit packs them: 2): slime scales each micro-batch's loss by the
+    step's sample count, so the step's losses, the weights after it and the recorded log-probs agree
+    within 1e-6 (the reference's peaked log-probs 2e-6)."""
+    import slime_kit as kit
+    import slime_ranks
+    import torch
+    from slime.utils.seqlen_balancing import first_fit_pack
+
+    from megatron_rl_patches.shared_prefix import shared_prefix_micro_batches
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    tokens = small_rollout(kit.VOCAB, [])["tokens"]
+    budget = 4 * (SMALL["prompt"] + SMALL["response"])  # four samples counted whole, or two groups computed
+    whole = first_fit_pack([len(t) for t in tokens], budget)
+    computed = shared_prefix_micro_batches(tokens, budget)
+    assert (len(whole), len(computed)) == (4, 2)
+    results = {}
+    for on, micro_batches in ((False, whole), (True, computed)):
+        extra = {"shared_prefix": on, "ref": True, "rollouts": [small_rollout(kit.VOCAB, micro_batches)]}
+        (results[on],) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, ("--adam-eps", "1.0"), 1,
+                                       None, 1, None, None, None, {"TEACHERS": "teacher-a,teacher-b"}, None, extra,
+                                       timeout=400)
+    off, on = results[False], results[True]
+    # the reference snapshot's peaked log-probs (near -15) move by a few float32 steps with the rows a
+    # matrix product holds: 2e-6 of their scale, as the shared-prefix lane allows its teachers' log-probs
+    for field, tol in (("old_log_probs", 1e-6), ("ref_log_probs", 2e-6), ("updated", 1e-6)):
+        want, got = off[field], on[field]
+        pairs = list(zip(got.values(), want.values())) if isinstance(want, dict) else list(zip(got, want))
+        assert len(pairs) == len(want) and pairs and all(torch.is_tensor(b) for _, b in pairs), field
+        for a, b in pairs:
+            scale = max(1.0, float(b.abs().max()))
+            assert float((a - b).abs().max()) <= tol * scale, (field, float((a - b).abs().max()), scale)
+    (plain,), (planned,) = off["losses"], on["losses"]  # slime's logged step: loss, pg, entropy, top-k OPD
+    assert planned.keys() == plain.keys()
+    assert all(abs(planned[k] - v) <= 1e-6 * max(1.0, abs(v)) for k, v in plain.items()), (plain, planned)
+    assert on["prefix_passes"] and all(f["physical_tokens"] < f["logical_tokens"] for _, f in on["prefix_passes"])
