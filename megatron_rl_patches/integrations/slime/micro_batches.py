@@ -22,7 +22,7 @@ import contextvars
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megatron_rl_patches.integrations.slime.step_plan import held_settings
+from megatron_rl_patches.integrations.slime.fused_step import held_settings
 from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids
 
 _TOKENS: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar("slime_rollout_tokens", default=None)
@@ -48,7 +48,8 @@ def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with shared-prefix
     packing on, the rollout's tokens held while the split schedules its micro-batches."""
     data = _argument("data", 0, args, kwargs)
-    if not held_settings(getattr(instance, "args", None))[1] or not isinstance(data, Mapping) or "tokens" not in data:
+    sharing = held_settings(getattr(instance, "args", None)).shared_prefix
+    if not sharing or not isinstance(data, Mapping) or "tokens" not in data:
         return wrapped(*args, **kwargs)
     held = _TOKENS.set(data["tokens"])
     try:
