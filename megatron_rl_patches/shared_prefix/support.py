@@ -18,9 +18,11 @@ import functools
 import inspect
 from typing import Any, cast
 
+from megatron_rl_patches.model.chunks import as_chunks, modules_of
+from megatron_rl_patches.model.kinds import is_attention, is_language_model
 from megatron_rl_patches.ops.agreement import gathered_objects, world
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
-from megatron_rl_patches.shared_prefix.model_hooks import PlannedCore, is_attention, is_language_model, modules_of
+from megatron_rl_patches.shared_prefix.model_hooks import PlannedCore
 
 PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params on, unread, or the package prepares it
     "megatron.core.models.gpt.gpt_model.GPTModel",
@@ -149,9 +151,9 @@ def local_reasons(model: Any, training: bool) -> list[str]:
     reasons: list[str] = []
     seen: set[int] = set()  # the configs and module classes already read
     found = False
-    chunks = model if isinstance(model, (list, tuple)) else [model]
+    chunks = as_chunks(model)
     for index, chunk in enumerate(chunks):
-        next(modules_of(chunk), None)  # a TypeError naming what is not a model chunk
+        next(modules_of(chunk, "prepare_shared_prefix"), None)  # a TypeError naming what is not a model chunk
         for path, module in chunk.named_modules():
             where = f"chunk {index}: {path}" if len(chunks) > 1 else path
             if id(type(module)) not in seen:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.model.chunks import modules_of
+from megatron_rl_patches.model.kinds import is_language_model
 from megatron_rl_patches.ops.agreement import agree
 from megatron_rl_patches.settings import SHARED_PREFIX
 from megatron_rl_patches.shared_prefix.model_hooks import (
-    is_language_model,
-    modules_of,
     prepare_shared_prefix,
     shared_prefix_params,
 )
@@ -112,5 +112,5 @@ def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> Pref
 
     prepare_shared_prefix(model)
     group = parallel_state.get_tensor_model_parallel_group()
-    vocab = next((int(cast(int, m.vocab_size)) for m in modules_of(model) if is_language_model(m)), None)
+    vocab = next((int(cast(int, m.vocab_size)) for m in modules_of(model, "prefix_pass") if is_language_model(m)), None)
     return PrefixPass(what, pad_to=parallel_state.get_tensor_model_parallel_world_size(), group=group, vocab=vocab)
