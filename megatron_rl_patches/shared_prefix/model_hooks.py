@@ -108,6 +108,11 @@ def prepare_shared_prefix(model: Any) -> Any:
             core: Any = module.core_attention
             if not isinstance(core, PlannedCore):
                 core.__class__ = planned_class(core.__class__)
+            # lazy: mla reads plans with this module's plan_in
+            from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
+
+            if is_latent_attention(module):
+                prepare_latent_attention(module)
             setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")
@@ -239,6 +244,8 @@ def planned_class(cls: Any) -> type:
             raise ValueError("shared prefix: an attention bias is not taken with a shared-prefix plan")
         config = self.config
         scale = config.softmax_scale if getattr(config, "softmax_scale", None) else 1.0 / math.sqrt(query.size(-1))
+        if getattr(config, "multi_latent_attention", False):
+            scale = self.softmax_scale  # MLA hands its core its own scale (YaRN's mscale squared in it)
         dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
         return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route)
 
