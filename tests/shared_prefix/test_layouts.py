@@ -1,7 +1,8 @@
 """A shared-prefix plan at every layout it claims, on real megatron-core over 2 gloo ranks (one world
 for the module): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
-(the plan built by each stage from the micro-batch it reads, forward and backward), an MoE model at
+(the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
+attention at TP = 2, an MoE model at
 EP = 2 (the allgather dispatcher), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
 CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
@@ -64,6 +65,30 @@ def _tensor_parallel_checks(sequence_parallel: bool) -> dict:
                         torch.distributed.all_reduce(summed[name], group=tp)
             out[index] = (relative_error(lp, want_lp), relative_error(ent, want_ent), grad_error(grads, want_grads),
                           bool(torch.isfinite(lp).all()))
+    return out
+
+
+def _latent_attention_checks() -> dict:
+    """Multi-latent attention at TP = 2 (its heads split over the ranks, the latents gathered)."""
+    from kit.latent_gpt import build_mla_gpt, tiny_mla_config
+    from kit.shared_prefix import objective, ordinary, planned
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    out = {}
+    with megatron_on_cpu(tensor_parallel=2):
+        tp = parallel_state.get_tensor_model_parallel_group()
+        model = build_mla_gpt(tiny_mla_config(tensor_model_parallel_size=2))
+        batch = _batches()[0]
+        results = []
+        for route in (ordinary, planned):
+            log_probs, entropy = _scores(route(model, batch), batch, tp)
+            objective(log_probs, entropy).backward()
+            results.append((log_probs.detach(), collect_grads(model)))
+        (want, want_grads), (got, grads) = results
+        out["mla"] = (relative_error(got, want), grad_error(grads, want_grads), len(grads))
     return out
 
 
@@ -173,6 +198,7 @@ def _context_parallel_check() -> str | None:
 
 def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
+            "tp2-mla": _latent_attention_checks(),
             "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(),
             "cp2": _context_parallel_check()}
 
@@ -194,6 +220,13 @@ def test_sequence_parallel_equals_the_packed_path(world):
     for rank in world:
         for lp, ent, grads, finite in rank["tp2-sp"].values():
             assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
+
+
+@layouts.mark("tp2")
+def test_multi_latent_attention_at_tensor_parallelism_equals_the_packed_path(world):
+    for rank in world:
+        lp, grads, named = rank["tp2-mla"]["mla"]
+        assert named > 0 and lp < TOL and grads < GRAD_TOL
 
 
 @layouts.mark("pp2")
