@@ -114,6 +114,13 @@ def prepare_shared_prefix(model: Any) -> Any:
             if is_latent_attention(module):
                 prepare_latent_attention(module)
             setattr(module, INSTALLED, True)
+        else:
+            # lazy: moe_statistics reads plans with this module's plan_in and Call
+            from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
+
+            if is_moe_layer(module):
+                prepare_moe_layer(module)
+                setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")
     return model
