@@ -3,7 +3,8 @@ for the module): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, ea
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
 (the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
 attention at TP = 2, an MoE model at
-EP = 2 (the allgather dispatcher), each against the
+EP = 2 (the allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
+rank its own micro-batch), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
 CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
 stages alike (never one rank raising while the other waits)."""
@@ -178,7 +179,31 @@ def _expert_parallel_checks() -> dict:
             experts = [name for name in grads if "local_experts" in name]
             out[index] = (relative_error(got, want), grad_error(grads, want_grads), len(experts),
                           bool(all(torch.isfinite(g).all() for g in grads.values())))
+        out["statistics"] = _expert_statistics(expert_parallel=2)
     return out
+
+
+def _expert_statistics(expert_parallel: int) -> tuple:
+    """An aux loss, a z-loss and expert-bias updates at once: (log-prob error, gradient error, the
+    largest logged-loss error, counts equal, bias equal after megatron's all-reduced update)."""
+    import torch
+    from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+    from kit.shared_prefix import ordinary, planned
+
+    from megatron_rl_patches.testing.compare import grad_error, relative_error
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    statistics = {**STATISTICS["aux-loss"], **STATISTICS["z-loss"], **STATISTICS["expert-bias"]}
+    config = tiny_moe_config(expert_parallel=expert_parallel, **statistics)
+    model = build_packed_gpt(seq_length=512, seed=9, config=config)
+    batch = constant_padding(((40, (4, 9, 2)),), (6,), padding=3, seed=torch.distributed.get_rank())
+    want = statistics_pass(model, batch, ordinary)
+    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2))
+    losses = max(relative_error(got["losses"][name], values) for name, values in want["losses"].items())
+    return (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]), losses,
+            bool(got["counts"]) and all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"])),
+            bool(got["bias"]) and all(torch.equal(g, w) for g, w in zip(got["bias"], want["bias"])))
 
 
 def _context_parallel_check() -> str | None:
@@ -241,8 +266,15 @@ def test_the_pipeline_carries_the_plan_through_both_stages(world):
 @layouts.mark("moe", "ep2")
 def test_expert_parallelism_routes_each_token_as_packed_whole(world):
     for rank in world:
-        for lp, grads, experts, finite in rank["ep2"].values():
+        for lp, grads, experts, finite in (v for k, v in rank["ep2"].items() if k != "statistics"):
             assert finite and experts > 0 and lp < TOL and grads < GRAD_TOL
+
+
+@layouts.mark("moe", "ep2")
+def test_expert_parallel_statistics_count_a_shared_token_once_per_sample(world):
+    for rank in world:
+        lp, grads, losses, counts, bias = rank["ep2"]["statistics"]
+        assert lp < TOL and grads < GRAD_TOL and losses < TOL and counts and bias
 
 
 @layouts.mark("pp2")
