@@ -60,8 +60,10 @@ def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto") -> Any:
     if not isinstance(plan, SharedPrefixPlan):
         raise TypeError(f"shared_prefix_params: plan must be a SharedPrefixPlan, got {type(plan).__name__}")
     whole = torch.tensor([0, plan.physical_length], dtype=torch.int32)
-    return params_type()(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=plan.longest,
-                         max_seqlen_kv=plan.longest, shared_prefix=plan, route=check_route(route))
+    # the table also covers the padding as packed (one sequence): an MTP block runs the logical rows
+    longest = max(plan.longest, plan.logical_length - plan.stats.logical_tokens)
+    return params_type()(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=longest,
+                         max_seqlen_kv=longest, shared_prefix=plan, route=check_route(route))
 
 
 def plan_in(params: Any) -> SharedPrefixPlan | None:
@@ -115,11 +117,15 @@ def prepare_shared_prefix(model: Any) -> Any:
                 prepare_latent_attention(module)
             setattr(module, INSTALLED, True)
         else:
-            # lazy: moe_statistics reads plans with this module's plan_in and Call
+            # lazy: moe_statistics and mtp read plans with this module's plan_in and Call
             from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
+            from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
 
             if is_moe_layer(module):
                 prepare_moe_layer(module)
+                setattr(module, INSTALLED, True)
+            elif is_mtp_block(module):
+                prepare_mtp_block(module)
                 setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")

@@ -41,6 +41,10 @@ def build_mla_gpt(config: Any, seq_length: int = 512, seed: int = 3, **model_kwa
     spec = get_gpt_layer_local_spec(num_experts=getattr(config, "num_moe_experts", None), moe_grouped_gemm=False,
                                     multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
+    if getattr(config, "mtp_num_layers", None):  # DeepSeek-V3's MTP: the block mirrors the MLA layer
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        model_kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     torch.manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=TINY_VOCAB, max_sequence_length=seq_length,
                      position_embedding_type="rope", **model_kwargs)

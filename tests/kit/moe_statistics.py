@@ -39,13 +39,10 @@ def routers(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "routing") and hasattr(m, "topk")]
 
 
-def statistics_pass(model: Any, batch: PackedBatch, route: Any) -> dict[str, Any]:
-    """One training pass of `batch` by `route` (the kit's `ordinary` or `planned`): log-probs,
-    gradients, the logged MoE losses per layer, the token counts and the bias after the update."""
-    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-
-    from megatron_rl_patches.testing.compare import collect_grads
+def reset_statistics(model: Any) -> list[torch.Tensor]:
+    """Zero the logged MoE losses, the global aux-loss trackers and the token counts; returns the
+    expert biases as they are (what `read_statistics` restores after reading the update)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
     clear_aux_losses_tracker()
     bias_before = []
@@ -54,16 +51,34 @@ def statistics_pass(model: Any, batch: PackedBatch, route: Any) -> dict[str, Any
         if router.local_tokens_per_expert is not None:
             router.local_tokens_per_expert.zero_()
             bias_before.append(router.expert_bias.clone())
-    model.train()
-    log_probs, entropy = scores(route(model, batch), batch)
-    objective(log_probs, entropy).backward()
+    return bias_before
+
+
+def read_statistics(model: Any, bias_before: list[torch.Tensor]) -> dict[str, Any]:
+    """The logged MoE losses per layer, each router's token counts and its bias after megatron's
+    update (`finalize_model_grads`' step), the bias then put back."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
     losses = {name: entry["values"].clone() for name, entry in get_moe_layer_wise_logging_tracker().items()}
-    counts = [r.local_tokens_per_expert.clone() for r in routers(model) if r.local_tokens_per_expert is not None]
+    biased = [r for r in routers(model) if r.local_tokens_per_expert is not None]
+    counts = [r.local_tokens_per_expert.clone() for r in biased]
     bias = []
     if counts:
         _update_router_expert_bias([model], model.config)  # finalize_model_grads' step: counts -> bias
-        bias = [r.expert_bias.clone() for r in routers(model) if r.expert_bias is not None]
-        for router, before in zip([r for r in routers(model) if r.expert_bias is not None], bias_before):
+        bias = [r.expert_bias.clone() for r in biased]
+        for router, before in zip(biased, bias_before):
             router.expert_bias.copy_(before)  # the next pass starts from the same bias
-    return {"log_probs": log_probs.detach(), "grads": collect_grads(model), "losses": losses, "counts": counts,
-            "bias": bias}
+    return {"losses": losses, "counts": counts, "bias": bias}
+
+
+def statistics_pass(model: Any, batch: PackedBatch, route: Any) -> dict[str, Any]:
+    """One training pass of `batch` by `route` (the kit's `ordinary` or `planned`): log-probs,
+    gradients, the logged MoE losses per layer, the token counts and the bias after the update."""
+    from megatron_rl_patches.testing.compare import collect_grads
+
+    bias_before = reset_statistics(model)
+    model.train()
+    log_probs, entropy = scores(route(model, batch), batch)
+    objective(log_probs, entropy).backward()
+    return {"log_probs": log_probs.detach(), "grads": collect_grads(model), **read_statistics(model, bias_before)}
