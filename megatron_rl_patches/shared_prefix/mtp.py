@@ -78,27 +78,33 @@ def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, d
 
 
 def install_label_roll() -> None:
-    """megatron-core's GPT module rolls the MTP labels and loss mask by the call's params: a plan's
-    are read as the micro-batch's logical ones (once per process; other calls unchanged)."""
+    """megatron-core's GPT module rolls the MTP labels and loss mask by the call's params (0.16: its
+    `roll_tensor` in `_postprocess`; 0.19: `process_mtp_loss`, which also derives labels from the
+    call's ids where none are given): a plan's params are read as the micro-batch's logical ones, its
+    ids as the packed ids (once per process; other calls unchanged)."""
     from megatron.core.models.gpt import gpt_model
 
-    original = getattr(gpt_model, "roll_tensor", None)
+    name = "process_mtp_loss" if hasattr(gpt_model, "process_mtp_loss") else "roll_tensor"
+    original = getattr(gpt_model, name, None)
     if original is None or getattr(original, ROLL_MARK, False):
         return
 
     @functools.wraps(original)
-    def roll_tensor(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        params = kwargs.get("packed_seq_params", args[3] if len(args) > 3 else None)
+    def logical(*args: Any, **kwargs: Any) -> Any:
+        params = kwargs.get("packed_seq_params", args[4] if name == "roll_tensor" and len(args) > 4 else None)
         plan = plan_in(params)
         if plan is not None:
-            if len(args) > 3:
-                args = (*args[:3], logical_params(plan), *args[4:])
+            if "packed_seq_params" not in kwargs:
+                args = (*args[:4], logical_params(plan), *args[5:])
             else:
                 kwargs = {**kwargs, "packed_seq_params": logical_params(plan)}
-        return original(tensor, *args, **kwargs)
+            ids = kwargs.get("input_ids")
+            if isinstance(ids, torch.Tensor):
+                kwargs["input_ids"] = plan.on(ids.device, "logical_tokens")[None]
+        return original(*args, **kwargs)
 
-    setattr(roll_tensor, ROLL_MARK, True)
-    gpt_model.roll_tensor = roll_tensor
+    setattr(logical, ROLL_MARK, True)
+    setattr(gpt_model, name, logical)
 
 
 def prepare_mtp_block(block: Any) -> None:

@@ -33,6 +33,7 @@ def packed_attention_class() -> type:
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, **kwargs: Any):
+            squeezed = False
             if packed_seq_params is not None:
                 cu = packed_seq_params.cu_seqlens_q_padded
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
@@ -45,8 +46,12 @@ def packed_attention_class() -> type:
                 attention_mask = ~(causal & (sequence[:, None] == sequence[None, :]))[None, None]
                 if query.dim() == 3:  # megatron squeezes the dummy batch of `thd` input: [t, np, hn]
                     query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+                    squeezed = True
             if self.latent is not None:
-                return self.latent(query, key, value, attention_mask)
+                out = self.latent(query, key, value, attention_mask)
+                # packed input as Transformer Engine answers it, [t, heads * dv]: megatron-core >= 0.19's MLA pads
+                # the values of `thd` input to the query's width and trims the heads of a 2-D output back
+                return out.squeeze(1) if squeezed else out
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None, **kwargs)
 
     return PackedDotProductAttention

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 MLA = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4,
-           v_head_dim=6, normalization="RMSNorm")
+           v_head_dim=6, normalization="RMSNorm", qk_layernorm=True)
 # YaRN as DeepSeek-V3 sets it (a factor > 1 with mscale_all_dim: the softmax scale is MLA's own, not 1/sqrt(d))
 YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
             original_max_position_embeddings=64)

@@ -39,12 +39,21 @@ def routers(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "routing") and hasattr(m, "topk")]
 
 
-def reset_statistics(model: Any) -> list[torch.Tensor]:
-    """Zero the logged MoE losses, the global aux-loss trackers and the token counts; returns the
-    expert biases as they are (what `read_statistics` restores after reading the update)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+def logged_losses() -> dict:
+    """megatron-core's per-layer MoE loss tracker ({name: entry}, the entry's per-layer `values` a key of
+    a dict, or an attribute from 0.19 on)."""
+    from megatron.core.transformer.moe import moe_utils
 
-    clear_aux_losses_tracker()
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):  # 0.19
+        return moe_utils.get_moe_metrics_tracker().metrics
+    return moe_utils.get_moe_layer_wise_logging_tracker()
+
+
+def reset_statistics(model: Any) -> list[torch.Tensor]:
+    """Empty the logged MoE losses (sized by the first model's layers: made again per pass), the
+    global aux-loss trackers and the token counts; returns the expert biases as they are (what
+    `read_statistics` restores after reading the update)."""
+    logged_losses().clear()
     bias_before = []
     for router in routers(model):
         router.reset_global_aux_loss_tracker()
@@ -58,9 +67,9 @@ def read_statistics(model: Any, bias_before: list[torch.Tensor]) -> dict[str, An
     """The logged MoE losses per layer, each router's token counts and its bias after megatron's
     update (`finalize_model_grads`' step), the bias then put back."""
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    losses = {name: entry["values"].clone() for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    losses = {name: (entry["values"] if isinstance(entry, dict) else entry.values).clone()
+              for name, entry in logged_losses().items()}
     biased = [r for r in routers(model) if r.local_tokens_per_expert is not None]
     counts = [r.local_tokens_per_expert.clone() for r in biased]
     bias = []

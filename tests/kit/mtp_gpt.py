@@ -40,5 +40,6 @@ def mtp_pass(model: Any, batch: PackedBatch, route: Any, loss_mask: torch.Tensor
     losses = route(model, batch, labels=batch.labels, loss_mask=loss_mask)[0, batch.rows]
     weights = torch.linspace(-1.0, 2.0, losses.numel(), dtype=losses.dtype)
     (losses * weights).sum().backward()
-    return {"loss": losses.detach(), "mtp": MTPLossLoggingHelper.tracker["values"].clone(),
+    tracker = MTPLossLoggingHelper.tracker  # 0.19 names the loss "loss_values"
+    return {"loss": losses.detach(), "mtp": tracker.get("values", tracker.get("loss_values")).clone(),
             "grads": collect_grads(model)}

@@ -47,7 +47,7 @@ def test_each_statistic_counts_a_shared_token_once_per_sample(megatron_cpu, moe_
     got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4))  # rows no logical row reads
     _agree(got, want)
     if statistic in ("aux-loss", "seq-aux-loss", "global-aux-loss", "z-loss"):
-        assert any(v.abs().sum() > 0 for v in want["losses"].values())  # the tracker keeps earlier names at 0
+        assert any(v.abs().sum() > 0 for v in want["losses"].values())
     if statistic == "expert-bias":
         assert int(sum(c.sum() for c in want["counts"])) == 2 * 2 * batch.tokens.numel()  # 2 layers, top-2
         assert not torch.equal(want["bias"][0], torch.zeros_like(want["bias"][0]))

@@ -68,21 +68,13 @@ def test_the_negative_control_the_physical_stream_in_the_mtp_block_fails_loudly(
         mtp_pass(model, batch, planned)
 
 
-def test_the_label_roll_reads_a_plan_as_its_logical_sequences(megatron_cpu):
-    from megatron.core.models.gpt import gpt_model
-
-    from megatron_rl_patches.shared_prefix import mtp, shared_prefix_params
+def test_the_plan_reads_as_its_logical_sequences(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import mtp
 
     batch = constant_padding(((6, (2, 3)),), (2,), padding=2)
     plan = batch.plan()
     assert mtp.logical_params(plan).cu_seqlens_q.tolist() == batch.cu_seqlens.tolist()
     assert torch.equal(mtp.logical_positions(plan)[None], batch.positions)
-    mtp.install_label_roll()
-    mtp.install_label_roll()  # once
-    rolled, _ = gpt_model.roll_tensor(batch.labels, shifts=-1, dims=-1, packed_seq_params=shared_prefix_params(plan))
-    want, _ = gpt_model.roll_tensor(batch.labels, shifts=-1, dims=-1, packed_seq_params=batch.thd_params())
-    assert torch.equal(rolled, want)
-    assert not getattr(gpt_model.roll_tensor.__wrapped__, mtp.ROLL_MARK, False)
 
 
 @layouts.mark("moe")
