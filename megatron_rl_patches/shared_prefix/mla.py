@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megatron_rl_patches.shared_prefix.model_hooks import plan_in
+from megatron_rl_patches.shared_prefix.call_args import plan_in
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +28,10 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.attention import check_route, shared_prefix_attention
+from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
+from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
+from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
+from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
@@ -64,12 +67,6 @@ def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto") -> Any:
     longest = max(plan.longest, plan.logical_length - plan.stats.logical_tokens)
     return params_type()(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=longest,
                          max_seqlen_kv=longest, shared_prefix=plan, route=check_route(route))
-
-
-def plan_in(params: Any) -> SharedPrefixPlan | None:
-    """The plan a `packed_seq_params` carries, or None (ordinary packing, or none)."""
-    plan = getattr(params, "shared_prefix", None)
-    return plan if isinstance(plan, SharedPrefixPlan) else None
 
 
 def modules_of(model: Any) -> Iterator[torch.nn.Module]:
@@ -110,59 +107,18 @@ def prepare_shared_prefix(model: Any) -> Any:
             core: Any = module.core_attention
             if not isinstance(core, PlannedCore):
                 core.__class__ = planned_class(core.__class__)
-            # lazy: mla reads plans with this module's plan_in
-            from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
-
             if is_latent_attention(module):
                 prepare_latent_attention(module)
             setattr(module, INSTALLED, True)
-        else:
-            # lazy: moe_statistics and mtp read plans with this module's plan_in and Call
-            from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
-            from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
-
-            if is_moe_layer(module):
-                prepare_moe_layer(module)
-                setattr(module, INSTALLED, True)
-            elif is_mtp_block(module):
-                prepare_mtp_block(module)
-                setattr(module, INSTALLED, True)
+        elif is_moe_layer(module):
+            prepare_moe_layer(module)
+            setattr(module, INSTALLED, True)
+        elif is_mtp_block(module):
+            prepare_mtp_block(module)
+            setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")
     return model
-
-
-@functools.cache
-def _positions(cls: Any) -> dict[str, int]:
-    """Each positional parameter's index in a call of `cls.forward` (self left out); the signature
-    is the unwrapped one (a wrapt patch of the forward, like `gpt_output_processor`, takes keywords the
-    original does not, and passes them on: those never move)."""
-    parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
-    return {p.name: i for i, p in enumerate(parameters) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-
-
-class Call:
-    """One call's arguments read and replaced by name, whether passed by position or by keyword."""
-
-    def __init__(self, module: Any, args: tuple, kwargs: dict):
-        self.args, self.kwargs = list(args), dict(kwargs)
-        self.index = _positions(module.__class__)
-
-    def get(self, name: str) -> Any:
-        if name in self.kwargs:
-            return self.kwargs[name]
-        index = self.index.get(name)
-        return self.args[index] if index is not None and index < len(self.args) else None
-
-    def set(self, name: str, value: Any) -> None:
-        index = self.index.get(name)
-        if name not in self.kwargs and index is not None and index < len(self.args):
-            self.args[index] = value
-        else:
-            self.kwargs[name] = value
-
-    def done(self) -> tuple[tuple, dict]:
-        return tuple(self.args), self.kwargs
 
 
 def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.shared_prefix.model_hooks import Call, plan_in
+from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 LAYER_PLAN: contextvars.ContextVar[SharedPrefixPlan | None] = contextvars.ContextVar(
@@ -54,8 +54,13 @@ def is_moe_layer(module: Any) -> bool:
 
 def counts_statistics(router: Any) -> bool:
     """Whether `router` computes a statistic over the batch's tokens in training."""
-    return bool(router.routing_type == "sinkhorn" or getattr(router.config, "moe_z_loss_coeff", None)
-                or router.is_aux_loss_enabled() or getattr(router, "enable_expert_bias", False))
+    config = router.config
+    if hasattr(router, "is_aux_loss_enabled"):
+        balancing = router.is_aux_loss_enabled()
+    else:  # megatron-core 0.13: one balancing type, one coefficient
+        balancing = router.routing_type in ("aux_loss", "seq_aux_loss") and bool(config.moe_aux_loss_coeff)
+    return bool(router.routing_type == "sinkhorn" or getattr(config, "moe_z_loss_coeff", None) or balancing
+                or getattr(router, "enable_expert_bias", False))
 
 
 def prepare_moe_layer(layer: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.shared_prefix.model_hooks import Call, plan_in
+from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 ROLL_MARK = "_megatron_rl_patches_shared_prefix_roll"

@@ -10,16 +10,29 @@ import torch
 MLA = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4,
            v_head_dim=6, normalization="RMSNorm", qk_layernorm=True)
 # YaRN as DeepSeek-V3 sets it (a factor > 1 with mscale_all_dim: the softmax scale is MLA's own, not 1/sqrt(d))
-YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
-            original_max_position_embeddings=64)
+YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def mla_takes_packed_input() -> bool:
+    """Whether this megatron-core's MLA runs packed (`thd`) input on CPU: 0.13.1's fails inside its
+    rotary step (checked); 0.16.1 and 0.19.2 run it."""
+    from megatron.core.package_info import __version__
+
+    return tuple(int(part) for part in __version__.split(".")[:2]) >= (0, 16)
 
 
 def tiny_mla_config(rope_type: str = "yarn", dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
     """MLATransformerConfig of 2 layers, hidden 32, 4 heads (query/key width 8 + 4 rotary, value 6),
     weights drawn wide enough (std 0.2) that a rotary table read at the wrong positions shows."""
+    from dataclasses import fields
+
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    rope = YARN if rope_type == "yarn" else dict(rope_type="rope")
+    rope: dict[str, Any] = dict(YARN) if rope_type == "yarn" else dict(rope_type="rope")
+    if rope_type == "yarn":  # megatron-core 0.13 names it max_position_embeddings
+        names = {f.name for f in fields(MLATransformerConfig)}
+        original = "original_max_position_embeddings"
+        rope[original if original in names else "max_position_embeddings"] = 64
     values: dict[str, Any] = dict(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
                                   hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, pipeline_dtype=dtype,
                                   init_method_std=0.2,  # the rotary part weighs in the scores

@@ -56,7 +56,8 @@ def reset_statistics(model: Any) -> list[torch.Tensor]:
     logged_losses().clear()
     bias_before = []
     for router in routers(model):
-        router.reset_global_aux_loss_tracker()
+        if hasattr(router, "reset_global_aux_loss_tracker"):  # megatron-core >= 0.14 (global_aux_loss)
+            router.reset_global_aux_loss_tracker()
         if router.local_tokens_per_expert is not None:
             router.local_tokens_per_expert.zero_()
             bias_before.append(router.expert_bias.clone())

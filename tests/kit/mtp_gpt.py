@@ -11,6 +11,13 @@ import torch
 from kit.shared_prefix import PackedBatch
 
 
+def mtp_takes_packed_input() -> bool:
+    """Whether this megatron-core's MTP rolls packed (`thd`) sequences (0.13 asserts it does not)."""
+    from megatron.core.transformer import multi_token_prediction
+
+    return hasattr(multi_token_prediction, "_roll_tensor_packed_seq")
+
+
 def build_mtp_gpt(config: Any, layer_spec: Any = None, seed: int = 3, **model_kwargs: Any) -> Any:
     """A real GPTModel of `config` (`mtp_num_layers` set) whose MTP block mirrors `layer_spec`
     (default: the kit's packed-input spec)."""

@@ -42,6 +42,10 @@ def _agree(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("statistic", sorted(STATISTICS))
 def test_each_statistic_counts_a_shared_token_once_per_sample(megatron_cpu, moe_router_on_cpu, statistic):
     batch = constant_padding(((30, (5, 9, 3)), (10, (4, 6))), (7,), padding=5)
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if statistic == "global-aux-loss" and not hasattr(TopKRouter, "reset_global_aux_loss_tracker"):
+        pytest.skip("this megatron-core has no global_aux_loss (0.13)")
     model = _model(**STATISTICS[statistic])
     want = statistics_pass(model, batch, ordinary)
     got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4))  # rows no logical row reads
