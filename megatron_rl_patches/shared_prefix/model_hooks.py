@@ -14,6 +14,10 @@ already hands down every call (forward, pipeline stages, recompute), never from 
   forward hook), so the output layer, an output processor and every framework's loss see the rows
   they see today (the prefix's last row once per member: G targets).
 
+Three kinds of model bring a seam of their own (each in its module): multi-latent attention's own
+rotary table (`mla`), an MoE router's statistics in training (`moe_statistics`: the plan handed to
+the router for the layer's call only) and the MTP block (`mtp`: run on the logical rows).
+
 `prepare_shared_prefix(model)` installs them once (idempotent); a call without a plan runs exactly
 as before. `shared_prefix_params(plan)` is what a caller passes as `packed_seq_params`."""
 # lazy imports: optional dependency megatron-core
