@@ -55,11 +55,12 @@ def _grouped(key: torch.Tensor, heads: int) -> torch.Tensor:
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan, *,
                             scale: float, dropout: float = 0.0, route: str = "auto") -> torch.Tensor:
-    """Attention of the plan's physical stream (query [s, b, h, d], key / value [s, b, g, d]) ->
-    [s, b, h * d] in the query's dtype; `dropout` on the attention probabilities (0 in evaluation)."""
+    """Attention of the plan's physical stream (query / key [s, b, h, d] / [s, b, g, d], value [s, b, g,
+    dv]: multi-latent attention's values have a width of their own) -> [s, b, h * dv] in the query's dtype;
+    `dropout` on the attention probabilities (0 in evaluation)."""
     if query.dim() == 3:  # megatron-core < 0.16 squeezes the batch of any packed input: [t, h, d]
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    rows, batch, heads, width = query.shape
+    rows, batch, heads = query.shape[:3]
     if rows != plan.physical_length:
         raise ValueError(f"shared-prefix attention: the query has {rows} rows, the plan's stream "
                          f"{plan.physical_length}")
@@ -88,7 +89,7 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                 parts.append(F.scaled_dot_product_attention(q[:, :, rest], keys, values, attn_mask=mask,
                                                             dropout_p=dropout, scale=scale))
         out = torch.cat(parts, dim=2)
-    return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
+    return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * value.size(-1))  # MLA: values of their own width
 
 
 @functools.cache

@@ -14,6 +14,10 @@ already hands down every call (forward, pipeline stages, recompute), never from 
   forward hook), so the output layer, an output processor and every framework's loss see the rows
   they see today (the prefix's last row once per member: G targets).
 
+Three kinds of model bring a seam of their own (each in its module): multi-latent attention's own
+rotary table (`mla`), an MoE router's statistics in training (`moe_statistics`: the plan handed to
+the router for the layer's call only) and the MTP block (`mtp`: run on the logical rows).
+
 `prepare_shared_prefix(model)` installs them once (idempotent); a call without a plan runs exactly
 as before. `shared_prefix_params(plan)` is what a caller passes as `packed_seq_params`."""
 # lazy imports: optional dependency megatron-core
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +32,10 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.attention import check_route, shared_prefix_attention
+from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
+from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
+from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
+from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
@@ -60,14 +67,10 @@ def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto") -> Any:
     if not isinstance(plan, SharedPrefixPlan):
         raise TypeError(f"shared_prefix_params: plan must be a SharedPrefixPlan, got {type(plan).__name__}")
     whole = torch.tensor([0, plan.physical_length], dtype=torch.int32)
-    return params_type()(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=plan.longest,
-                         max_seqlen_kv=plan.longest, shared_prefix=plan, route=check_route(route))
-
-
-def plan_in(params: Any) -> SharedPrefixPlan | None:
-    """The plan a `packed_seq_params` carries, or None (ordinary packing, or none)."""
-    plan = getattr(params, "shared_prefix", None)
-    return plan if isinstance(plan, SharedPrefixPlan) else None
+    # the table also covers the padding as packed (one sequence): an MTP block runs the logical rows
+    longest = max(plan.longest, plan.logical_length - plan.stats.logical_tokens)
+    return params_type()(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=longest,
+                         max_seqlen_kv=longest, shared_prefix=plan, route=check_route(route))
 
 
 def modules_of(model: Any) -> Iterator[torch.nn.Module]:
@@ -108,43 +111,18 @@ def prepare_shared_prefix(model: Any) -> Any:
             core: Any = module.core_attention
             if not isinstance(core, PlannedCore):
                 core.__class__ = planned_class(core.__class__)
+            if is_latent_attention(module):
+                prepare_latent_attention(module)
+            setattr(module, INSTALLED, True)
+        elif is_moe_layer(module):
+            prepare_moe_layer(module)
+            setattr(module, INSTALLED, True)
+        elif is_mtp_block(module):
+            prepare_mtp_block(module)
             setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")
     return model
-
-
-@functools.cache
-def _positions(cls: Any) -> dict[str, int]:
-    """Each positional parameter's index in a call of `cls.forward` (self left out); the signature
-    is the unwrapped one (a wrapt patch of the forward, like `gpt_output_processor`, takes keywords the
-    original does not, and passes them on: those never move)."""
-    parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
-    return {p.name: i for i, p in enumerate(parameters) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-
-
-class Call:
-    """One call's arguments read and replaced by name, whether passed by position or by keyword."""
-
-    def __init__(self, module: Any, args: tuple, kwargs: dict):
-        self.args, self.kwargs = list(args), dict(kwargs)
-        self.index = _positions(module.__class__)
-
-    def get(self, name: str) -> Any:
-        if name in self.kwargs:
-            return self.kwargs[name]
-        index = self.index.get(name)
-        return self.args[index] if index is not None and index < len(self.args) else None
-
-    def set(self, name: str, value: Any) -> None:
-        index = self.index.get(name)
-        if name not in self.kwargs and index is not None and index < len(self.args):
-            self.args[index] = value
-        else:
-            self.kwargs[name] = value
-
-    def done(self) -> tuple[tuple, dict]:
-        return tuple(self.args), self.kwargs
 
 
 def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -242,6 +220,8 @@ def planned_class(cls: Any) -> type:
             raise ValueError("shared prefix: an attention bias is not taken with a shared-prefix plan")
         config = self.config
         scale = config.softmax_scale if getattr(config, "softmax_scale", None) else 1.0 / math.sqrt(query.size(-1))
+        if getattr(config, "multi_latent_attention", False):
+            scale = self.softmax_scale  # MLA hands its core its own scale (YaRN's mscale squared in it)
         dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
         return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route)
 

@@ -34,6 +34,7 @@ def packed_attention_class() -> type:
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, **kwargs: Any):
+            squeezed = False
             if packed_seq_params is not None:
                 cu = packed_seq_params.cu_seqlens_q_padded
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
@@ -44,9 +45,13 @@ def packed_attention_class() -> type:
                     raise ValueError(f"cu_seqlens cover {sequence.numel()} rows, the packed input has {rows}")
                 causal = torch.ones(rows, rows, dtype=torch.bool).tril()
                 attention_mask = ~(causal & (sequence[:, None] == sequence[None, :]))[None, None]
-                query, key, value = with_batch(query, key, value)  # megatron squeezes `thd` input's batch
+                squeezed = query.dim() == 3  # megatron squeezes the dummy batch of `thd` input: [t, np, hn]
+                query, key, value = with_batch(query, key, value)
             if self.latent is not None:
-                return self.latent(query, key, value, attention_mask)
+                out = self.latent(query, key, value, attention_mask)
+                # packed input as Transformer Engine answers it, [t, heads * dv]: megatron-core >= 0.19's MLA pads
+                # the values of `thd` input to the query's width and trims the heads of a 2-D output back
+                return out.squeeze(1) if squeezed else out
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None, **kwargs)
 
     return PackedDotProductAttention

@@ -1,8 +1,10 @@
 """A shared-prefix plan at every layout it claims, on real megatron-core over 2 gloo ranks (one world
 for the module): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
-(the plan built by each stage from the micro-batch it reads, forward and backward), an MoE model at
-EP = 2 (the allgather dispatcher), each against the
+(the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
+attention at TP = 2, an MoE model at
+EP = 2 (the allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
+rank its own micro-batch), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
 CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
 stages alike (never one rank raising while the other waits)."""
@@ -64,6 +66,32 @@ def _tensor_parallel_checks(sequence_parallel: bool) -> dict:
                         torch.distributed.all_reduce(summed[name], group=tp)
             out[index] = (relative_error(lp, want_lp), relative_error(ent, want_ent), grad_error(grads, want_grads),
                           bool(torch.isfinite(lp).all()))
+    return out
+
+
+def _latent_attention_checks() -> dict:
+    """Multi-latent attention at TP = 2 (its heads split over the ranks, the latents gathered)."""
+    from kit.latent_gpt import build_mla_gpt, mla_takes_packed_input, tiny_mla_config
+    from kit.shared_prefix import objective, ordinary, planned
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    out: dict = {}
+    if not mla_takes_packed_input():
+        return out
+    with megatron_on_cpu(tensor_parallel=2):
+        tp = parallel_state.get_tensor_model_parallel_group()
+        model = build_mla_gpt(tiny_mla_config(tensor_model_parallel_size=2))
+        batch = _batches()[0]
+        results = []
+        for route in (ordinary, planned):
+            log_probs, entropy = _scores(route(model, batch), batch, tp)
+            objective(log_probs, entropy).backward()
+            results.append((log_probs.detach(), collect_grads(model)))
+        (want, want_grads), (got, grads) = results
+        out["mla"] = (relative_error(got, want), grad_error(grads, want_grads), len(grads))
     return out
 
 
@@ -153,7 +181,31 @@ def _expert_parallel_checks() -> dict:
             experts = [name for name in grads if "local_experts" in name]
             out[index] = (relative_error(got, want), grad_error(grads, want_grads), len(experts),
                           bool(all(torch.isfinite(g).all() for g in grads.values())))
+        out["statistics"] = _expert_statistics(expert_parallel=2)
     return out
+
+
+def _expert_statistics(expert_parallel: int) -> tuple:
+    """An aux loss, a z-loss and expert-bias updates at once: (log-prob error, gradient error, the
+    largest logged-loss error, counts equal, bias equal after megatron's all-reduced update)."""
+    import torch
+    from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+    from kit.shared_prefix import ordinary, planned
+
+    from megatron_rl_patches.testing.compare import grad_error, relative_error
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    statistics = {**STATISTICS["aux-loss"], **STATISTICS["z-loss"], **STATISTICS["expert-bias"]}
+    config = tiny_moe_config(expert_parallel=expert_parallel, **statistics)
+    model = build_packed_gpt(seq_length=512, seed=9, config=config)
+    batch = constant_padding(((40, (4, 9, 2)),), (6,), padding=3, seed=torch.distributed.get_rank())
+    want = statistics_pass(model, batch, ordinary)
+    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2))
+    losses = max(relative_error(got["losses"][name], values) for name, values in want["losses"].items())
+    return (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]), losses,
+            bool(got["counts"]) and all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"])),
+            bool(got["bias"]) and all(torch.equal(g, w) for g, w in zip(got["bias"], want["bias"])))
 
 
 def _context_parallel_check() -> str | None:
@@ -173,6 +225,7 @@ def _context_parallel_check() -> str | None:
 
 def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
+            "tp2-mla": _latent_attention_checks(),
             "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(),
             "cp2": _context_parallel_check()}
 
@@ -196,6 +249,15 @@ def test_sequence_parallel_equals_the_packed_path(world):
             assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
 
 
+@layouts.mark("tp2")
+def test_multi_latent_attention_at_tensor_parallelism_equals_the_packed_path(world):
+    if "mla" not in world[0]["tp2-mla"]:
+        pytest.skip("this megatron-core's MLA does not run packed input on CPU (0.13)")
+    for rank in world:
+        lp, grads, named = rank["tp2-mla"]["mla"]
+        assert named > 0 and lp < TOL and grads < GRAD_TOL
+
+
 @layouts.mark("pp2")
 def test_the_pipeline_carries_the_plan_through_both_stages(world):
     first, last = world
@@ -208,8 +270,15 @@ def test_the_pipeline_carries_the_plan_through_both_stages(world):
 @layouts.mark("moe", "ep2")
 def test_expert_parallelism_routes_each_token_as_packed_whole(world):
     for rank in world:
-        for lp, grads, experts, finite in rank["ep2"].values():
+        for lp, grads, experts, finite in (v for k, v in rank["ep2"].items() if k != "statistics"):
             assert finite and experts > 0 and lp < TOL and grads < GRAD_TOL
+
+
+@layouts.mark("moe", "ep2")
+def test_expert_parallel_statistics_count_a_shared_token_once_per_sample(world):
+    for rank in world:
+        lp, grads, losses, counts, bias = rank["ep2"]["statistics"]
+        assert lp < TOL and grads < GRAD_TOL and losses < TOL and counts and bias
 
 
 @layouts.mark("pp2")

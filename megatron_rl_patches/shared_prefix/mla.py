@@ -1,0 +1,101 @@
+"""Multi-latent attention (megatron-core's `MLASelfAttention`: DeepSeek-V3's, Kimi-K2's,
+GLM-4.7-Flash's) under a shared-prefix plan.
+
+MLA owns its rotary embedding (`rotary_pos_emb`, plain RoPE or YaRN) and builds it inside
+`get_query_key_value_tensors` from a length alone: the model's table never reaches it, so the
+attention pre-hook that reads the model's table at each token's position has nothing to read. The
+seam is the length: MLA asks its rotary module for it (`get_rotary_seq_len`, handed the call's
+`packed_seq_params`), then asks it for the table of that length. Under a plan the length comes
+back as a `PlannedLength` (an int: the stream's rows) that carries the plan, and the table asked
+for with it is the one of the longest sample read at each physical row's own position, one row per
+row of the stream (the whole stream is one sequence: megatron-core takes the table's first rows,
+as many as the stream has, and rotates row i by table row i). The plan travels with the call's
+arguments, never in module state; a call without a plan runs the module's own methods.
+
+Refused by name under a plan: the fused MLA RoPE (`apply_rope_fusion`: its kernel takes each
+token's position from cu_seqlens), interleaved rotary halves, and DSA's sparse attention (its
+indexer reads cu_seqlens itself)."""
+# lazy imports: optional dependency megatron-core
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from megatron_rl_patches.shared_prefix.call_args import plan_in
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+
+
+class PlannedLength(int):
+    """The rotary length MLA asks for under a plan: the stream's rows, with the plan."""
+
+    plan: SharedPrefixPlan
+
+    def __new__(cls, plan: SharedPrefixPlan) -> PlannedLength:
+        length = super().__new__(cls, plan.physical_length)
+        length.plan = plan
+        return length
+
+
+def is_latent_attention(module: Any) -> bool:
+    """megatron-core's multi-latent attention: its own rotary module and latent projections."""
+    config = getattr(module, "config", None)
+    return (bool(getattr(config, "multi_latent_attention", False)) and hasattr(module, "rotary_pos_emb")
+            and hasattr(module, "get_query_key_value_tensors"))
+
+
+def prepare_latent_attention(attention: Any) -> None:
+    """Make `attention`'s rotary module answer a plan's call with the table at the plan's positions."""
+    rotary = attention.rotary_pos_emb
+    if not isinstance(rotary, PlannedRotary):
+        rotary.__class__ = planned_rotary_class(rotary.__class__)
+
+
+def refusal(config: Any) -> str | None:
+    """What of this MLA config a plan cannot run, or None."""
+    if getattr(config, "experimental_attention_variant", None) == "dsa":
+        return "DSA sparse attention (its indexer reads cu_seqlens itself)"
+    if getattr(config, "apply_rope_fusion", False):
+        return "multi-latent attention with apply_rope_fusion (the fused kernel takes positions from cu_seqlens)"
+    if getattr(config, "rotary_interleaved", False):
+        return "multi-latent attention with rotary_interleaved"
+    return None
+
+
+class PlannedRotary:
+    """The mark of a rotary module whose class `planned_rotary_class` made."""
+
+
+def _at_positions(table: Any, plan: SharedPrefixPlan) -> Any:
+    """[longest, 1, 1, d] -> [stream rows, 1, d]: row i at physical row i's position (megatron-core
+    squeezed the packed batch of MLA's queries and keys, [rows, heads, d])."""
+    return table.index_select(0, plan.on(table.device, "positions")).squeeze(1)
+
+
+@functools.cache
+def planned_rotary_class(cls: Any) -> type:
+    """`cls` (MLA's RotaryEmbedding / YarnRotaryEmbedding) taking a plan's length."""
+
+    def get_rotary_seq_len(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params = kwargs.get("packed_seq_params", args[4] if len(args) > 4 else None)
+        plan = plan_in(params)
+        if plan is None:
+            return cls.get_rotary_seq_len(self, *args, **kwargs)
+        config = kwargs.get("transformer_config", args[3] if len(args) > 3 else None)
+        refused = refusal(config)
+        if refused is not None:
+            raise ValueError(f"shared prefix: {refused} is not taken with a shared-prefix plan")
+        return PlannedLength(plan)
+
+    def forward(self: Any, max_seq_len: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(max_seq_len, PlannedLength):
+            return cls.forward(self, max_seq_len, *args, **kwargs)
+        plan = max_seq_len.plan
+        # a plain int: the class's own forward keeps its cache per length
+        made = cls.forward(self, plan.longest, *args, **kwargs)
+        if isinstance(made, tuple):  # YaRN: (table, mscale)
+            return (_at_positions(made[0], plan), *made[1:])
+        return _at_positions(made, plan)
+
+    return type(f"SharedPrefix{cls.__name__}", (cls, PlannedRotary),
+                {"get_rotary_seq_len": get_rotary_seq_len, "forward": forward, "__module__": cls.__module__,
+                 "__doc__": cls.__doc__})

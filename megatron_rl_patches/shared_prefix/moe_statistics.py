@@ -1,0 +1,125 @@
+"""MoE routing statistics in training under a shared-prefix plan, as the same samples packed whole
+count them: a prefix token counts once per sample that holds it.
+
+megatron-core's `TopKRouter.routing` computes, besides each token's experts, statistics over the
+micro-batch's tokens: the z-loss (mean of lse²), the load-balancing losses (`aux_loss`,
+`seq_aux_loss`, `global_aux_loss`: router probabilities summed over tokens times tokens per
+expert), the expert-bias token counts (`local_tokens_per_expert`, which `finalize_model_grads`
+turns into the bias update) and, in training, Sinkhorn's balancing over the batch. On the plan's
+physical stream a prefix row stands for G logical rows, so each statistic would count it once.
+
+Here a planned router routes the *logical* rows: the router's logits (one row of E numbers per
+token, the only per-token input of every statistic) are read at each logical row
+(`plan.logical_rows`), megatron-core's own `routing` runs on them unchanged, so every statistic,
+its gradient (summed back into the shared row by the gather) and the counts equal the packed
+path's; each physical row then takes the probabilities and experts of a logical row that reads it
+(identical logits route identically, Sinkhorn included: its scaling is per row and per expert).
+Rows no logical row reads (the plan's padding to a multiple) take logical row 0's routing: their
+outputs are read by nothing. The gather costs T × E numbers; it runs only in training with a
+statistic on.
+
+How the router gets the plan: megatron-core calls it from the MoE layer with the hidden states
+and a padding mask only. The transformer layer's call carries the plan (`packed_seq_params`), so
+a pre-hook of the layer sets a context variable for the duration of that call and a hook that runs
+even when the call raises (`always_call`) clears it: the plan still comes from the call's own
+arguments and never outlives the call (no module state, nothing leaking into the next micro-batch
+or an unplanned call). Full activation recompute reruns the layer's call, hooks included. A
+recompute of the MLP or MoE module alone reruns the router outside the layer's call, so it is
+refused by name when a statistic is on, as is sequence parallelism (each rank's share of the
+physical rows is not a share of the logical ones the statistics divide by)."""
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+
+LAYER_PLAN: contextvars.ContextVar[SharedPrefixPlan | None] = contextvars.ContextVar(
+    "megatron_rl_patches_shared_prefix_layer_plan", default=None)
+
+
+def is_router(module: Any) -> bool:
+    """megatron-core's top-k MoE router (TopKRouter and its kin)."""
+    return hasattr(module, "routing") and hasattr(module, "topk") and hasattr(module, "routing_type")
+
+
+def is_moe_layer(module: Any) -> bool:
+    """A transformer layer whose MLP routes tokens (an MoE layer)."""
+    return is_router(getattr(getattr(module, "mlp", None), "router", None))
+
+
+def counts_statistics(router: Any) -> bool:
+    """Whether `router` computes a statistic over the batch's tokens in training."""
+    config = router.config
+    if hasattr(router, "is_aux_loss_enabled"):
+        balancing = router.is_aux_loss_enabled()
+    else:  # megatron-core 0.13: one balancing type, one coefficient
+        balancing = router.routing_type in ("aux_loss", "seq_aux_loss") and bool(config.moe_aux_loss_coeff)
+    return bool(router.routing_type == "sinkhorn" or getattr(config, "moe_z_loss_coeff", None) or balancing
+                or getattr(router, "enable_expert_bias", False))
+
+
+def prepare_moe_layer(layer: Any) -> None:
+    """Install the plan's context on `layer` (its call) and the logical routing on its router."""
+    layer.register_forward_pre_hook(plan_for_the_call, with_kwargs=True)
+    layer.register_forward_hook(end_of_the_call, always_call=True)
+    router = layer.mlp.router
+    if not isinstance(router, PlannedRouter):
+        router.__class__ = planned_router_class(router.__class__)
+
+
+def plan_for_the_call(layer: Any, args: tuple, kwargs: dict) -> None:
+    plan = plan_in(Call(layer, args, kwargs).get("packed_seq_params"))
+    if plan is not None and layer.training and counts_statistics(layer.mlp.router):
+        if getattr(layer, "recompute_mlp", False) or getattr(layer.mlp, "moe_layer_recompute", False):
+            raise ValueError("shared prefix: MoE routing statistics in training with the MLP / MoE module "
+                             "recomputed on its own (recompute_modules 'mlp' / 'moe') are not taken with a "
+                             "shared-prefix plan; recompute whole layers (recompute_granularity='full') or none")
+    LAYER_PLAN.set(plan)
+
+
+def end_of_the_call(layer: Any, args: tuple, output: Any) -> None:
+    LAYER_PLAN.set(None)
+
+
+def _reader(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
+    """For each physical row, a logical row that reads it (0 where none does)."""
+    def build() -> torch.Tensor:
+        reader = torch.zeros(plan.physical_length, dtype=torch.int64)
+        reader[plan.logical_rows] = torch.arange(plan.logical_length)
+        return reader.to(device)
+
+    return plan.cached(("moe-reader", str(torch.device(device))), build)
+
+
+class PlannedRouter:
+    """The mark of a router whose class `planned_router_class` made."""
+
+
+@functools.cache
+def planned_router_class(cls: Any) -> type:
+    """`cls` (a top-k router) routing a plan's logical rows in training when it counts statistics."""
+
+    def routing(self: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        plan = LAYER_PLAN.get()
+        if plan is None or not self.training or not counts_statistics(self):
+            return cls.routing(self, logits, *args, **kwargs)
+        rows = logits.shape[0] * logits.shape[1]
+        if rows != plan.physical_length:
+            raise ValueError(f"shared prefix: the router sees {rows} rows, the plan's stream {plan.physical_length}: "
+                             "MoE routing statistics in training under sequence parallelism are not taken with a "
+                             "shared-prefix plan (each rank's share of the physical rows is not one of the logical)")
+        if args or kwargs.get("padding_mask") is not None:
+            raise ValueError("shared prefix: a padding mask is not taken with a shared-prefix plan")
+        flat = logits.reshape(rows, logits.shape[-1])
+        logical = flat.index_select(0, plan.on(flat.device, "logical_rows"))
+        probs, routing_map = cls.routing(self, logical.unsqueeze(1))
+        reader = _reader(plan, probs.device)
+        return probs.index_select(0, reader), routing_map.index_select(0, reader)
+
+    return type(f"SharedPrefix{cls.__name__}", (cls, PlannedRouter), {"routing": routing, "__module__": cls.__module__,
+                                                                     "__doc__": cls.__doc__})

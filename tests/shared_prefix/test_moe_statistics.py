@@ -1,0 +1,93 @@
+"""MoE routing statistics in training under a shared-prefix plan against the same samples packed
+whole, on a real megatron-core MoE GPTModel: each of `aux_loss`, `seq_aux_loss`, `global_aux_loss`,
+the z-loss, expert-bias updates and Sinkhorn routing — the losses megatron-core logs per layer, the
+tokens-per-expert counts, the expert bias after megatron's own update, log-probs (1e-6) and every
+gradient (2e-6, float32), the statistics' own gradients in the router included. A shared prefix
+token counts once per sample that holds it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+from kit.shared_prefix import ordinary, planned
+
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import grad_error, relative_error
+
+pytestmark = pytest.mark.megatron
+TOL, GRAD_TOL = 1e-6, 2e-6
+
+
+def _model(**statistics):
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    return build_packed_gpt(seq_length=512, seed=5, config=tiny_moe_config(**statistics))
+
+
+def _agree(got: dict, want: dict) -> None:
+    assert relative_error(got["log_probs"], want["log_probs"]) < TOL
+    assert grad_error(got["grads"], want["grads"]) < GRAD_TOL
+    assert sorted(got["losses"]) == sorted(want["losses"])
+    for name, values in want["losses"].items():
+        assert relative_error(got["losses"][name], values) < TOL, name
+    assert len(got["counts"]) == len(want["counts"])
+    for counts, wanted in zip(got["counts"], want["counts"]):
+        assert torch.equal(counts, wanted)
+    for bias, wanted in zip(got["bias"], want["bias"]):
+        assert torch.equal(bias, wanted)
+
+
+@layouts.mark("moe")
+@pytest.mark.parametrize("statistic", sorted(STATISTICS))
+def test_each_statistic_counts_a_shared_token_once_per_sample(megatron_cpu, moe_router_on_cpu, statistic):
+    batch = constant_padding(((30, (5, 9, 3)), (10, (4, 6))), (7,), padding=5)
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if statistic == "global-aux-loss" and not hasattr(TopKRouter, "reset_global_aux_loss_tracker"):
+        pytest.skip("this megatron-core has no global_aux_loss (0.13)")
+    model = _model(**STATISTICS[statistic])
+    want = statistics_pass(model, batch, ordinary)
+    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4))  # rows no logical row reads
+    _agree(got, want)
+    if statistic in ("aux-loss", "seq-aux-loss", "global-aux-loss", "z-loss"):
+        assert any(v.abs().sum() > 0 for v in want["losses"].values())
+    if statistic == "expert-bias":
+        assert int(sum(c.sum() for c in want["counts"])) == 2 * 2 * batch.tokens.numel()  # 2 layers, top-2
+        assert not torch.equal(want["bias"][0], torch.zeros_like(want["bias"][0]))
+
+
+def test_the_negative_control_physical_rows_counted_once_differ(megatron_cpu, moe_router_on_cpu, monkeypatch):
+    """The same pass with the layer's call never handing the router its plan: counts and loss differ."""
+    from megatron_rl_patches.shared_prefix import moe_statistics
+
+    batch = constant_padding(((30, (5, 9, 3)),), (7,), padding=2)
+    model = _model(**STATISTICS["aux-loss"], moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    want = statistics_pass(model, batch, ordinary)
+    monkeypatch.setattr(moe_statistics, "plan_for_the_call", lambda *args: None)  # before the model is prepared
+    got = statistics_pass(model, batch, planned)
+    assert relative_error(got["log_probs"], want["log_probs"]) < TOL  # routing itself is per token
+    assert not all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"]))
+    assert relative_error(got["losses"]["load_balancing_loss"], want["losses"]["load_balancing_loss"]) > 1e-4
+
+
+def test_the_plan_never_outlives_the_layer_call(megatron_cpu, moe_router_on_cpu):
+    from megatron_rl_patches.shared_prefix import moe_statistics
+
+    batch = constant_padding(((30, (5, 3)),), (), padding=0)
+    model = _model(**STATISTICS["z-loss"])
+    statistics_pass(model, batch, planned)
+    assert moe_statistics.LAYER_PLAN.get() is None
+    layer = model.decoder.layers[0]
+    layer.mlp.router.gating = None  # the call raises inside the layer: the context is cleared all the same
+    with pytest.raises(TypeError):
+        planned(model, batch)
+    assert moe_statistics.LAYER_PLAN.get() is None
+
+
+def test_a_module_recomputed_alone_is_refused_by_name(megatron_cpu, moe_router_on_cpu):
+    batch = constant_padding(((30, (5, 3)),), (), padding=0)
+    model = _model(**STATISTICS["z-loss"])
+    model.decoder.layers[0].mlp.moe_layer_recompute = True
+    with pytest.raises(ValueError, match="recompute_modules 'mlp' / 'moe'"):
+        planned(model, batch)
