@@ -116,7 +116,21 @@ def _moe(exact: str, test: Callable[[Any, Settings], bool], what: str, why: str)
     return checked(exact, lambda value, s, training: _no_moe(s) or test(value, s), what=what, why=why)
 
 
-LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+STATISTICS_WHY = ("the router counts each shared token once per sample by routing the samples' own rows, which "
+                  "sequence parallelism (each rank holds a share of the shared rows) and a MoE layer recomputed "
+                  "alone (its router run outside the layer's call) do not allow; run without them or set the "
+                  "statistic's coefficient to 0")
+
+
+def _one(s: Settings, kind: str) -> bool:
+    return int(s.get(f"{kind}_model_parallel_size") or 1) == 1
+
+
+def _statistics(s: Settings) -> bool:
+    """The router's statistics counted on each sample's own rows (shared_prefix/moe_statistics.py)."""
+    recomputed = set(s.get("recompute_modules") or []) if s.get("recompute_granularity") == "selective" else set()
+    return not s.get("sequence_parallel") and not recomputed & {"moe", "mlp"}
 UNTESTED = "the plan has not been tested with it; leave it at its default or do not share this model's prefixes"
 
 FIELDS: dict[str, Known] = {
@@ -127,12 +141,20 @@ FIELDS: dict[str, Known] = {
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),
-    "multi_latent_attention": only(False, what="multi-latent attention",
-                                   why="its rotary embedding is computed inside the layer from cu_seqlens, not at "
-                                       "each token's own position"),
-    "mtp_num_layers": only(None, 0, what="multi-token prediction",
-                           why="its block reads the next token of each row, which differs between the samples "
-                               "sharing a prefix's last row"),
+    "multi_latent_attention": checked(
+        "False; True without fused or interleaved RoPE, at TP = 1 or 2 without SP and PP = 1 (tested)",
+        lambda value, s, training: not value or (not s.get("apply_rope_fusion") and not s.get("rotary_interleaved")
+                                                 and not s.get("sequence_parallel") and _one(s, "pipeline")),
+        what="multi-latent attention at this layout (fused or interleaved RoPE, sequence or pipeline parallelism)",
+        why="its rotary table is read at each token's own position only on the unfused path, tested without "
+            "sequence and pipeline parallelism; set apply_rope_fusion=False and rotary_interleaved=False, or run it "
+            "without sequence and pipeline parallelism"),
+    "mtp_num_layers": checked(
+        "None, 0; 1 or 2 at TP = 1 and PP = 1 (tested)",
+        lambda value, s, training: not value or (int(value) <= 2 and _one(s, "tensor") and _one(s, "pipeline")),
+        what="multi-token prediction at this depth or layout",
+        why="its block runs on each sample's own tokens, tested at depths 1 and 2 on one tensor- and pipeline-"
+            "parallel rank; run it there or do not share this model's prefixes"),
     "softmax_type": only("vanilla", what="attention sinks",
                          why="the package's attention has no sink: every logit would differ; use softmax_type "
                              "'vanilla' or do not share this model's prefixes"),
@@ -169,23 +191,26 @@ FIELDS: dict[str, Known] = {
     "moe_token_dropping": _moe("False", lambda v, s: not v, "MoE token dropping",
                                "which tokens drop depends on the batch's tokens"),
     "moe_router_load_balancing_type": _moe_training(
-        f"{' or '.join(map(repr, LOSSES))} in training (their coefficients are checked); any in forward-only passes",
-        lambda v, s: set(_kinds(v)) <= set(LOSSES), "MoE load balancing over the batch in training (Sinkhorn, "
-        "quantile balancing)", "it balances over the batch's tokens, where a shared prefix token stands once for "
-        "every sample holding it; use 'none' or an aux loss of coefficient 0"),
+        f"{' or '.join(map(repr, LOSSES))} in training (their statistics as below); any in forward-only passes",
+        lambda v, s: set(_kinds(v)) <= set(LOSSES), "MoE quantile load balancing in training",
+        "it balances over the batch's tokens with a running estimate the package has not shown exact; use 'none', "
+        "an aux loss or Sinkhorn"),
     "moe_aux_loss_coeff": _moe_training(
-        "0 in training (any with moe_router_load_balancing_type 'none')",
-        lambda v, s: _zero(v) or set(_kinds(s.get("moe_router_load_balancing_type"))) == {"none"},
-        "MoE load balancing in training",
-        "its statistics would count a shared prefix token once, not once per sample; set it to 0"),
-    "moe_z_loss_coeff": _moe_training("None or 0 in training", lambda v, s: _zero(v), "MoE z-loss in training",
-                                      "it would count a shared prefix token once, not once per sample; set it to 0"),
+        "any in training where the router's statistics run on each sample's tokens (not under SP, MoE not "
+        "recomputed alone; tested at 1 rank and EP = 2)",
+        lambda v, s: _zero(v) or set(_kinds(s.get("moe_router_load_balancing_type"))) == {"none"} or _statistics(s),
+        "MoE load balancing in training under sequence parallelism or a recomputed MoE layer",
+        STATISTICS_WHY),
+    "moe_z_loss_coeff": _moe_training("any in training where the router's statistics run on each sample's tokens",
+                                      lambda v, s: _zero(v) or _statistics(s),
+                                      "MoE z-loss in training under sequence parallelism or a recomputed MoE layer",
+                                      STATISTICS_WHY),
     "moe_router_enable_expert_bias": _moe_training(
-        "False, or True with moe_router_bias_update_rate 0 (the bias never moves), in training",
-        lambda v, s: not v or _zero(s.get("moe_router_bias_update_rate")),
-        "MoE expert bias updated in training",
-        "its tokens-per-expert counts would count a shared prefix token once, so the bias would move otherwise; "
-        "set moe_router_bias_update_rate=0 (as slime's scripts do) or turn the bias off"),
+        "False; True with moe_router_bias_update_rate 0; True with any rate where the router's statistics run on "
+        "each sample's tokens",
+        lambda v, s: not v or _zero(s.get("moe_router_bias_update_rate")) or _statistics(s),
+        "MoE expert bias updated in training under sequence parallelism or a recomputed MoE layer",
+        STATISTICS_WHY),
     "moe_router_bias_update_rate": READ_WITH,
     "moe_router_force_load_balancing": _moe("False", lambda v, s: not v, "MoE forced load balancing",
                                             "it routes by the batch, not by each token; " + UNTESTED),

@@ -91,6 +91,9 @@ def test_a_deepseek_shaped_model_mla_moe_expert_bias_mtp(megatron_cpu, moe_route
     config = tiny_mla_config(mtp_num_layers=1, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
                              moe_token_dispatcher_type="allgather", add_bias_linear=False, **statistics)
     model = build_mla_gpt(config)
+    from megatron_rl_patches.shared_prefix import shared_prefix_reason
+
+    assert shared_prefix_reason(model, training=True) is None  # what runs exact below is what the doors accept
     batch = constant_padding(((30, (5, 9, 3)),), (6,), padding=3)
     runs = []
     for route in (ordinary, lambda m, b, **kw: planned(m, b, pad_to=4, **kw)):

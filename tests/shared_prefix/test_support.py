@@ -21,6 +21,7 @@ pytestmark = pytest.mark.megatron
 TOL, GRAD_TOL = 1e-6, 2e-6
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_ffn_hidden_size=64,
            moe_aux_loss_coeff=0.0, add_bias_linear=False)
+RECOMPUTED_MOE = {**MOE, "recompute_granularity": "selective", "recompute_modules": ["moe"]}
 
 # field: (a value other than the default, the config it is set on, training) -> refused by name
 REFUSED = {
@@ -28,8 +29,8 @@ REFUSED = {
     "hybrid_context_parallel": (True, {}, False),
     "pipeline_model_parallel_size": (2, {}, False),
     "virtual_pipeline_model_parallel_size": (2, {}, False),
-    "multi_latent_attention": (True, {}, False),
-    "mtp_num_layers": (1, {}, False),
+    "multi_latent_attention": (True, {"rotary_interleaved": True}, False),
+    "mtp_num_layers": (3, {}, False),
     "softmax_type": ("off-by-one", {}, False),
     "window_size": ((8, 0), {}, False),
     "experimental_attention_variant": ("gated_delta_net", {}, False),
@@ -45,10 +46,10 @@ REFUSED = {
     "position_embedding_type": ("mrope", {}, False),
     "moe_expert_capacity_factor": (1.0, MOE, False),
     "moe_token_dropping": (True, MOE, False),
-    "moe_router_load_balancing_type": ("sinkhorn", MOE, True),
-    "moe_aux_loss_coeff": (0.01, MOE, True),
-    "moe_z_loss_coeff": (1e-3, MOE, True),
-    "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 1e-3}, True),
+    "moe_router_load_balancing_type": ("quantile", MOE, True),
+    "moe_aux_loss_coeff": (0.01, RECOMPUTED_MOE, True),
+    "moe_z_loss_coeff": (1e-3, RECOMPUTED_MOE, True),
+    "moe_router_enable_expert_bias": (True, {**RECOMPUTED_MOE, "moe_router_bias_update_rate": 1e-3}, True),
     "moe_router_force_load_balancing": (True, MOE, False),
     "moe_input_jitter_eps": (0.01, MOE, True),
     "moe_enable_routing_replay": (True, MOE, False),
@@ -64,12 +65,21 @@ ALLOWED = {
                                      True),  # planned in test_layouts.py
     "softmax_type": ("vanilla", {}, True),
     "mtp_num_layers": (0, {}, True),
+    "multi_latent_attention": (True, {}, True),  # tests/shared_prefix/test_latent_attention.py
     "hidden_dropout": (0.1, {}, False),
     "attention_dropout": (0.1, {}, False),
     "position_embedding_type": ("none", {}, True),
     "moe_aux_loss_coeff": (0.01, MOE, False),  # forward-only passes: planned in test_model_hooks.py
     "moe_router_load_balancing_type": ("seq_aux_loss", MOE, True),  # its coefficient 0
     "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 0.0}, True),
+}
+# the router's statistics on each sample's own rows (tests/shared_prefix/test_moe_statistics.py, test_mtp.py)
+ALLOWED_TOO = {
+    "mtp_num_layers": (2, {}, True),
+    "moe_router_load_balancing_type": ("sinkhorn", MOE, True),
+    "moe_aux_loss_coeff": (0.01, MOE, True),
+    "moe_z_loss_coeff": (1e-3, MOE, True),
+    "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 1e-3}, True),
 }
 
 
@@ -128,9 +138,9 @@ def _default(field: str):
     return fields[field]
 
 
-@pytest.mark.parametrize("field", sorted(ALLOWED))
-def test_a_value_the_table_allows_is_not_refused(field):
-    value, overrides, training = ALLOWED[field]
+@pytest.mark.parametrize("field, value, overrides, training", [(f, *ALLOWED[f]) for f in sorted(ALLOWED)]
+                         + [(f, *ALLOWED_TOO[f]) for f in sorted(ALLOWED_TOO)])
+def test_a_value_the_table_allows_is_not_refused(field, value, overrides, training):
     _default(field)  # skips a field this megatron-core lacks
     assert _reasons(field, value, overrides, training) == []
 
