@@ -12,7 +12,9 @@ already hands down every call (forward, pipeline stages, recompute), never from 
   module's class becomes a subclass that takes the plan's route and calls its own class otherwise;
 - the decoder of the last pipeline stage: its physical rows are read back at each logical row (a
   forward hook), so the output layer, an output processor and every framework's loss see the rows
-  they see today (the prefix's last row once per member: G targets).
+  they see today (the prefix's last row once per member: G targets);
+- each of megatron-core's gated delta nets: a remainder continues its prefix's recurrent state and
+  convolution window (`gated_delta_net.planned_gated_delta_net_class`).
 
 `prepare_shared_prefix(model)` installs them once (idempotent); a call without a plan runs exactly
 as before. `shared_prefix_params(plan)` is what a caller passes as `packed_seq_params`."""
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.attention import check_route, shared_prefix_attention
+from megatron_rl_patches.shared_prefix.gated_delta_net import is_gated_delta_net, prepare_gated_delta_net
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
@@ -108,6 +111,9 @@ def prepare_shared_prefix(model: Any) -> Any:
             core: Any = module.core_attention
             if not isinstance(core, PlannedCore):
                 core.__class__ = planned_class(core.__class__)
+            setattr(module, INSTALLED, True)
+        elif is_gated_delta_net(module):
+            prepare_gated_delta_net(module)
             setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")
