@@ -87,10 +87,11 @@ def build_gated_delta_net_gpt(config: Any = None, vocab_size: int = TINY_VOCAB, 
     torch.manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=gated_delta_net_block_spec(config), vocab_size=vocab_size,
                      max_sequence_length=seq_length, position_embedding_type="rope")
-    with torch.no_grad():  # megatron-core leaves the convolution at torch's default and A_log / dt_bias fixed
+    with torch.no_grad():  # a memory of tens of tokens (megatron-core's A in [1, 16] forgets within a few)
         for module in model.modules():
             if hasattr(module, "A_log") and hasattr(module, "conv1d"):
-                module.dt_bias.add_(torch.randn_like(module.dt_bias) * 0.5)
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.02, 0.2).log())
+                module.dt_bias.copy_(torch.randn_like(module.dt_bias) * 0.5 - 1.0)
     return model
 
 
