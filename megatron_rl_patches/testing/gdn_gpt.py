@@ -22,6 +22,21 @@ from megatron_rl_patches.testing.megatron_cpu import TINY_VOCAB, tiny_gpt_config
 from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
 
+def megatron_gated_delta_net_served() -> bool:
+    """Whether this megatron-core's GatedDeltaNet is the one the plan's route serves (0.16's
+    `megatron.core.ssm.gated_delta_net`, with its torch rule; 0.19 moved and rewrote it)."""
+    import importlib
+
+    from megatron_rl_patches.shared_prefix.gated_delta_net import MODULE
+
+    try:
+        module = importlib.import_module(MODULE)
+    except ImportError:
+        return False
+    net = getattr(module, "GatedDeltaNet", None)
+    return hasattr(module, "torch_chunk_gated_delta_rule") and getattr(net, "__module__", None) == MODULE
+
+
 @contextlib.contextmanager
 def gated_delta_net_on_cpu(rule: Any = None) -> Iterator[None]:
     """megatron-core's GatedDeltaNet buildable and runnable on CPU while inside (torch.compile off:

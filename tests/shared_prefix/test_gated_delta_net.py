@@ -19,6 +19,15 @@ from kit.shared_prefix import grpo_batch, objective, planned, scores
 from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
 
 pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture(autouse=True)
+def served():
+    pytest.importorskip("megatron.core")
+    from megatron_rl_patches.testing.gdn_gpt import megatron_gated_delta_net_served
+
+    if not megatron_gated_delta_net_served():
+        pytest.skip("megatron-core's GatedDeltaNet is not 0.16's megatron.core.ssm.gated_delta_net")
 TOL = {torch.float32: 2e-6, torch.float64: 1e-10}
 BELOW_FLOAT32_CASTS = 1e-7  # float64: a gradient through megatron-core's float32 alpha and gate
 
