@@ -1,5 +1,5 @@
 """A megatron-core model that runs a shared-prefix plan: the model above attention and RoPE runs
-unchanged; only four seams take the plan, each from the `packed_seq_params` argument megatron-core
+unchanged; only five seams take the plan, each from the `packed_seq_params` argument megatron-core
 already hands down every call (forward, pipeline stages, recompute), never from module state:
 
 - the language model (GPTModel, HybridModel): the logical ids a framework passes become the plan's
