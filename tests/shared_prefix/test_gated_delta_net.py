@@ -100,14 +100,16 @@ def test_an_ordinary_call_of_a_prepared_gated_delta_net_is_unchanged(megatron_cp
 
 
 def test_a_tree_of_segments_continues_each_parent(megatron_cpu):
-    """Segments at depth 3, a parent of 2 rows (the window is 3), siblings: each equals its whole
-    line (root, ancestors, itself) run by megatron-core's own forward, outputs and input gradients."""
+    """Segments at depth 4, parents of 2 rows and of 1 (the window is 3), siblings, an empty one:
+    each equals its whole line (root, ancestors, itself) run by megatron-core's own forward, outputs
+    and input gradients."""
     from megatron_rl_patches.shared_prefix.gated_delta_net import Segment, planned_forward, prepare_gated_delta_net
     from megatron_rl_patches.testing.gdn_gpt import gated_delta_net_on_cpu
 
     segments = (Segment(0, 2), Segment(2, 70, 0), Segment(70, 75, 1), Segment(75, 79, 0), Segment(79, 80),
-                Segment(80, 80, 0), Segment(80, 85, 1))
-    lines = ([0, 1, 2], [0, 3], [4], [0, 1, 6])  # the segments of each leaf's line, root first
+                Segment(80, 80, 0), Segment(80, 81, 1), Segment(81, 85, 6))
+    # the segments of each leaf's line, root first (the last: a window through a parent of one row)
+    lines = ([0, 1, 2], [0, 3], [4], [0, 1, 6, 7])
     with gated_delta_net_on_cpu():
         layer = _model(torch.float64).decoder.layers[0].self_attention
         hidden = torch.randn(85, 1, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
