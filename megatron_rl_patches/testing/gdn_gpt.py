@@ -27,14 +27,13 @@ def megatron_gated_delta_net_served() -> bool:
     `megatron.core.ssm.gated_delta_net`, with its torch rule; 0.19 moved and rewrote it)."""
     import importlib
 
-    from megatron_rl_patches.shared_prefix.gated_delta_net import MODULE
-
+    name = "megatron.core.ssm.gated_delta_net"
     try:
-        module = importlib.import_module(MODULE)
+        module = importlib.import_module(name)
     except ImportError:
         return False
     net = getattr(module, "GatedDeltaNet", None)
-    return hasattr(module, "torch_chunk_gated_delta_rule") and getattr(net, "__module__", None) == MODULE
+    return hasattr(module, "torch_chunk_gated_delta_rule") and getattr(net, "__module__", None) == name
 
 
 @contextlib.contextmanager
