@@ -4,6 +4,7 @@ its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 thr
 (the plan built by each stage from the micro-batch it reads, forward and backward), an MoE model at
 EP = 2 (the allgather dispatcher), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
+megatron-core's GatedDeltaNet (3 of 4 layers) at TP = 2 and TP = 2 + SP against each sample run alone;
 CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
 stages alike (never one rank raising while the other waits)."""
 from __future__ import annotations
