@@ -1,5 +1,5 @@
 """A megatron-core model that runs a shared-prefix plan: the model above attention and RoPE runs
-unchanged; only four seams take the plan, each from the `packed_seq_params` argument megatron-core
+unchanged; only five seams take the plan, each from the `packed_seq_params` argument megatron-core
 already hands down every call (forward, pipeline stages, recompute), never from module state:
 
 - the language model (GPTModel, HybridModel): the logical ids a framework passes become the plan's
@@ -12,7 +12,9 @@ already hands down every call (forward, pipeline stages, recompute), never from 
   module's class becomes a subclass that takes the plan's route and calls its own class otherwise;
 - the decoder of the last pipeline stage: its physical rows are read back at each logical row (a
   forward hook), so the output layer, an output processor and every framework's loss see the rows
-  they see today (the prefix's last row once per member: G targets).
+  they see today (the prefix's last row once per member: G targets);
+- each of megatron-core's gated delta nets: a remainder continues its prefix's recurrent state and
+  convolution window (`gated_delta_net.planned_gated_delta_net_class`).
 
 Three kinds of model bring a seam of their own (each in its module): multi-latent attention's own
 rotary table (`mla`), an MoE router's statistics in training (`moe_statistics`: the plan handed to
@@ -33,6 +35,7 @@ import torch
 
 from megatron_rl_patches.shared_prefix.attention import check_route, shared_prefix_attention
 from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
+from megatron_rl_patches.shared_prefix.gated_delta_net import is_gated_delta_net, prepare_gated_delta_net
 from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
 from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
 from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
@@ -119,6 +122,9 @@ def prepare_shared_prefix(model: Any) -> Any:
             setattr(module, INSTALLED, True)
         elif is_mtp_block(module):
             prepare_mtp_block(module)
+            setattr(module, INSTALLED, True)
+        elif is_gated_delta_net(module):
+            prepare_gated_delta_net(module)
             setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")

@@ -6,6 +6,7 @@ attention at TP = 2, an MoE model at
 EP = 2 (the allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
 rank its own micro-batch), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
+megatron-core's GatedDeltaNet (3 of 4 layers) at TP = 2 and TP = 2 + SP against each sample run alone;
 CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
 stages alike (never one rank raising while the other waits)."""
 from __future__ import annotations
@@ -208,6 +209,53 @@ def _expert_statistics(expert_parallel: int) -> tuple:
             bool(got["bias"]) and all(torch.equal(g, w) for g, w in zip(got["bias"], want["bias"])))
 
 
+def _gated_delta_net_checks(sequence_parallel: bool) -> dict | None:
+    """megatron-core's GatedDeltaNet (3 of 4 layers) planned at TP = 2 against each sample run alone
+    unpacked (its packed path is refused): every sample of an even length, as SP splits each."""
+    import torch
+    from kit.shared_prefix import grpo_batch, objective, planned
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.gdn_gpt import (
+        build_gated_delta_net_gpt,
+        gated_delta_net_on_cpu,
+        megatron_gated_delta_net_served,
+        tiny_gated_delta_net_config,
+    )
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    if not megatron_gated_delta_net_served():
+        return None
+
+    def each_alone(model, batch):
+        bounds = batch.cu_seqlens[:batch.samples + 1].tolist()
+        return torch.cat([model(batch.tokens[:, a:b], torch.arange(b - a)[None], None)
+                          for a, b in zip(bounds, bounds[1:])], dim=1)
+
+    with megatron_on_cpu(tensor_parallel=2), gated_delta_net_on_cpu():
+        tp = parallel_state.get_tensor_model_parallel_group()
+        config = tiny_gated_delta_net_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
+        model = build_gated_delta_net_gpt(config, seed=4)
+        batch = grpo_batch(((70, (6, 2)), (2, (6, 4))), (12,), padding=4)
+        seen = []  # the rows a gated delta net is handed (under SP: this rank's share)
+        model.decoder.layers[0].self_attention.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+        results = []
+        for route in (each_alone, lambda m, b: planned(m, b, pad_to=2)):
+            log_probs, entropy = _scores(route(model, batch), batch, tp)
+            objective(log_probs, entropy).backward()
+            results.append((log_probs.detach(), entropy.detach(), collect_grads(model)))
+        (want_lp, want_ent, want_grads), (lp, ent, grads) = results
+        for name, param in model.named_parameters():
+            if getattr(param, "sequence_parallel", False):
+                for summed in (grads, want_grads):
+                    torch.distributed.all_reduce(summed[name], group=tp)
+        linear = sum(".self_attention.A_log" in name for name in grads)
+        return {"log_probs": relative_error(lp, want_lp), "entropy": relative_error(ent, want_ent),
+                "grads": grad_error(grads, want_grads), "linear_layers": linear,
+                "rows": (seen[-1], batch.plan(pad_to=2).physical_length)}
+
+
 def _context_parallel_check() -> str | None:
     from megatron_rl_patches.shared_prefix import check_shared_prefix
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
@@ -227,7 +275,8 @@ def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
             "tp2-mla": _latent_attention_checks(),
             "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(),
-            "cp2": _context_parallel_check()}
+            "cp2": _context_parallel_check(), "gdn-tp2": _gated_delta_net_checks(False),
+            "gdn-tp2-sp": _gated_delta_net_checks(True)}
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +340,16 @@ def test_a_layer_kind_on_one_stage_is_refused_on_both(world):
 def test_context_parallelism_is_refused_by_name_on_both_ranks(world):
     reasons = [rank["cp2"] for rank in world]
     assert reasons[0] == reasons[1] and "context parallelism (context_parallel_size=2)" in reasons[0]
+
+
+@layouts.mark("tp2", "sp")
+@pytest.mark.parametrize("layout", ["gdn-tp2", "gdn-tp2-sp"])
+def test_gated_delta_nets_continue_each_prefix_over_tensor_parallel_ranks(world, layout):
+    if world[0][layout] is None:
+        pytest.skip("megatron-core's GatedDeltaNet is not 0.16's megatron.core.ssm.gated_delta_net")
+    for rank in world:
+        checks = rank[layout]
+        assert checks["linear_layers"] == 3
+        rows, physical = checks["rows"]
+        assert rows == (physical // 2 if layout.endswith("-sp") else physical)
+        assert checks["log_probs"] < TOL and checks["entropy"] < TOL and checks["grads"] < GRAD_TOL
