@@ -84,7 +84,7 @@ INFERENCE = per_token("inference engines only: a plan runs without an inference 
 MODULES = per_token("it chooses a layer's classes: a module the plan does not know is refused by its class")
 WITHOUT_CP = per_token("only with context parallelism, which is refused")
 WITHOUT_MLA = per_token("only with multi_latent_attention, which is refused")
-WITHOUT_VARIANT = per_token("only with experimental_attention_variant, which is refused")
+WITHOUT_VARIANT = per_token("the widths of a gated delta net (per token) or DSA's, refused with its variant")
 WITHOUT_MTP = per_token("only with mtp_num_layers, which is refused")
 WITHOUT_WINDOW = per_token("only with window_size, which is refused")
 WITHOUT_DROPPING = per_token("only with moe_expert_capacity_factor, which is refused")
@@ -161,9 +161,12 @@ FIELDS: dict[str, Known] = {
     "window_size": only(None, what="sliding-window attention",
                         why="the package's attention lets a response see all of its prefix; leave window_size None "
                             "or do not share this model's prefixes"),
-    "experimental_attention_variant": only(None, what="an experimental attention variant (gated delta net, DSA)",
-                                           why="its layers read cu_seqlens themselves; do not share this model's "
-                                               "prefixes"),
+    "experimental_attention_variant": checked(
+        "None; 'gated_delta_net' at PP = 1 (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP)",
+        lambda value, s, training: value is None or (value == "gated_delta_net" and _one(s, "pipeline")),
+        what="an experimental attention variant (DSA; gated delta nets under pipeline parallelism)",
+        why="DSA's indexer reads cu_seqlens itself, and gated delta nets are tested on one pipeline stage; do not "
+            "share this model's prefixes"),
     "fused_single_qkv_rope": only(False, what="megatron-core's fused qkv RoPE",
                                   why="it takes no packed input; set fused_single_qkv_rope=False"),
     "qk_clip": only(False, what="QK-clip",

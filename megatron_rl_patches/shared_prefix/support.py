@@ -21,6 +21,7 @@ from typing import Any, cast
 from megatron_rl_patches.model.chunks import as_chunks, modules_of
 from megatron_rl_patches.model.kinds import is_attention, is_language_model
 from megatron_rl_patches.ops.agreement import gathered_objects, world
+from megatron_rl_patches.shared_prefix.gated_delta_net import PlannedGatedDeltaNet
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
 from megatron_rl_patches.shared_prefix.model_hooks import PlannedCore
 
@@ -48,6 +49,9 @@ CORES = {  # core attentions computing plain causal softmax attention from the c
 RECURRENT = {"GatedDeltaNet": "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final "
                               "recurrent state)",
              "MambaMixer": "Mamba layers (each remainder would start from the prefix's final state)"}
+RECURRENT_SERVED = {  # recurrent layers whose forward the package runs planned (shared_prefix/gated_delta_net.py)
+    "megatron.core.ssm.gated_delta_net.GatedDeltaNet",  # megatron-core 0.16's; 0.19's gdn.GatedDeltaNet is another
+}
 NOT_KNOWN = ("a module the plan does not know ({name} at {path} takes packed_seq_params: what it reads of them is "
              "its own)")
 HAND_WRITTEN = ("do not pack its micro-batches by shared prefix (call plan_shared_prefix only for models "
@@ -138,15 +142,16 @@ def config_reason(config: Any, training: bool) -> str | None:
 def module_reason(path: str, module: Any) -> str | None:
     """Why the plan cannot run a model holding `module` (at `path`), or None."""
     cls: Any = type(module)
+    # a core or a gated delta net the package already prepared: the class it found
+    own: Any = cls.__mro__[1] if isinstance(module, (PlannedCore, PlannedGatedDeltaNet)) else cls
     for kind, reason in RECURRENT.items():
-        if kind in cls.__name__:
+        if kind in cls.__name__ and _forward_owner(own) not in RECURRENT_SERVED:
             return f"{reason} ({_qualified(cls)} at {path or 'the model'})"
     if is_attention(module) and getattr(module, "attention_type", "self") != "self":
         return f"{getattr(module, 'attention_type', '')} attention ({_qualified(cls)} at {path})"
     if not _takes_packed_seq_params(cls):
         return None
-    origin: Any = cls.__mro__[1] if isinstance(module, PlannedCore) else cls  # a core the package already prepared
-    if is_language_model(module) or _forward_owner(origin) in PASSES_ON | CORES:
+    if is_language_model(module) or _forward_owner(own) in PASSES_ON | CORES | RECURRENT_SERVED:
         return None
     return NOT_KNOWN.format(name=_qualified(cls), path=path or "the model")
 

@@ -69,6 +69,9 @@ def test_a_planned_gated_delta_net_equals_each_sample_run_alone(megatron_cpu, dt
         batch = grpo_batch(**BATCHES[dtype])
         want = _run(model, batch, _each_alone)
         got = _run(model, batch, planned)
+    from megatron_rl_patches.shared_prefix import shared_prefix_reason
+
+    assert shared_prefix_reason(model, training=True) is None  # prepared by `planned`: the doors accept it
     prompt = BATCHES[dtype]["groups"][0][0]
     assert batch.plan().stats.saved_tokens == (len(BATCHES[dtype]["groups"][0][1]) - 1) * prompt + 2
     assert relative_error(got[0], want[0]) <= TOL[dtype]

@@ -142,9 +142,13 @@ def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe
     check_shared_prefix(model, training=True)
     want, got = _run(model, batch, ordinary), _run(model, batch, planned)
     assert relative_error(got[0], want[0]) < TOL and grad_error(got[2], want[2]) < GRAD_TOL[torch.float32]
+    recomputed = _model("rope-gqa", **{**moe, "moe_aux_loss_coeff": 0.01, "recompute_granularity": "selective",
+                                       "recompute_modules": ["moe"]})
+    with pytest.raises(ValueError, match=r"MoE load balancing in training under sequence parallelism or a "
+                                         r"recomputed MoE layer \(moe_aux_loss_coeff=0.01"):
+        check_shared_prefix(recomputed, training=True)  # its router would run outside the layer's call
     balanced = _model("rope-gqa", **{**moe, "moe_aux_loss_coeff": 0.01})
-    with pytest.raises(ValueError, match=r"MoE load balancing in training \(moe_aux_loss_coeff=0.01"):
-        check_shared_prefix(balanced, training=True)
+    check_shared_prefix(balanced, training=True)  # the router's statistics on each sample's rows (moe_statistics)
     check_shared_prefix(balanced, training=False)  # forward-only passes: the statistics are not used
     with torch.no_grad():
         assert relative_error(scores(planned(balanced, batch), batch)[0],
@@ -153,14 +157,15 @@ def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe
 
 REFUSALS = {
     "cp2": (dict(context_parallel_size=2), False, "context parallelism"),
-    "mla": (dict(multi_latent_attention=True), False, "multi-latent attention"),
-    "mtp": (dict(mtp_num_layers=1), False, "multi-token prediction"),
+    "mla-interleaved": (dict(multi_latent_attention=True, rotary_interleaved=True), False, "multi-latent attention"),
+    "mtp-depth-3": (dict(mtp_num_layers=3), False, "multi-token prediction"),
     "pp2-fixed-lengths": (dict(pipeline_model_parallel_size=2), False, "variable_seq_lengths"),
     "moe-token-dropping": (dict(num_moe_experts=4, moe_expert_capacity_factor=1.0), False, "token dropping"),
-    "moe-sinkhorn": (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn"), True, "Sinkhorn"),
-    "moe-z-loss": (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3), True, "z-loss"),
-    "moe-expert-bias": (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True), True,
-                        "expert bias"),
+    "moe-quantile": (dict(num_moe_experts=4, moe_router_load_balancing_type="quantile"), True, "quantile"),
+    "moe-z-loss-sp": (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3, sequence_parallel=True),
+                      True, "z-loss"),
+    "moe-expert-bias-sp": (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True,
+                                sequence_parallel=True), True, "expert bias"),
 }
 
 

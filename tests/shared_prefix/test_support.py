@@ -33,7 +33,7 @@ REFUSED = {
     "mtp_num_layers": (3, {}, False),
     "softmax_type": ("off-by-one", {}, False),
     "window_size": ((8, 0), {}, False),
-    "experimental_attention_variant": ("gated_delta_net", {}, False),
+    "experimental_attention_variant": ("dsa", {}, False),
     "fused_single_qkv_rope": (True, {}, False),
     "qk_clip": (True, {}, False),
     "log_max_attention_logit": (True, {}, False),
@@ -65,6 +65,7 @@ ALLOWED = {
                                      True),  # planned in test_layouts.py
     "softmax_type": ("vanilla", {}, True),
     "mtp_num_layers": (0, {}, True),
+    "experimental_attention_variant": ("gated_delta_net", {}, True),  # test_gated_delta_net.py
     "multi_latent_attention": (True, {}, True),  # tests/shared_prefix/test_latent_attention.py
     "hidden_dropout": (0.1, {}, False),
     "attention_dropout": (0.1, {}, False),
