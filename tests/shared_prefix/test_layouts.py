@@ -70,8 +70,10 @@ def _tensor_parallel_checks(sequence_parallel: bool) -> dict:
     return out
 
 
-def _latent_attention_checks() -> dict:
-    """Multi-latent attention at TP = 2 (its heads split over the ranks, the latents gathered)."""
+def _latent_attention_checks(sequence_parallel: bool) -> dict:
+    """Multi-latent attention at TP = 2 (its heads split over the ranks, the latents gathered), with
+    sequence parallelism or without (each rank's share of the rows; the norms' gradients summed)."""
+    import torch
     from kit.latent_gpt import build_mla_gpt, mla_takes_packed_input, tiny_mla_config
     from kit.shared_prefix import objective, ordinary, planned
     from megatron.core import parallel_state
@@ -84,14 +86,18 @@ def _latent_attention_checks() -> dict:
         return out
     with megatron_on_cpu(tensor_parallel=2):
         tp = parallel_state.get_tensor_model_parallel_group()
-        model = build_mla_gpt(tiny_mla_config(tensor_model_parallel_size=2))
+        model = build_mla_gpt(tiny_mla_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel))
         batch = _batches()[0]
         results = []
-        for route in (ordinary, planned):
+        for route in (ordinary, lambda m, b: planned(m, b, pad_to=2)):
             log_probs, entropy = _scores(route(model, batch), batch, tp)
             objective(log_probs, entropy).backward()
             results.append((log_probs.detach(), collect_grads(model)))
         (want, want_grads), (got, grads) = results
+        for name, param in model.named_parameters():
+            if getattr(param, "sequence_parallel", False):
+                for summed in (grads, want_grads):
+                    torch.distributed.all_reduce(summed[name], group=tp)
         out["mla"] = (relative_error(got, want), grad_error(grads, want_grads), len(grads))
     return out
 
@@ -273,7 +279,7 @@ def _context_parallel_check() -> str | None:
 
 def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
-            "tp2-mla": _latent_attention_checks(),
+            "tp2-mla": _latent_attention_checks(False), "tp2-sp-mla": _latent_attention_checks(True),
             "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(),
             "cp2": _context_parallel_check(), "gdn-tp2": _gated_delta_net_checks(False),
             "gdn-tp2-sp": _gated_delta_net_checks(True)}
@@ -300,11 +306,20 @@ def test_sequence_parallel_equals_the_packed_path(world):
 
 @layouts.mark("tp2")
 def test_multi_latent_attention_at_tensor_parallelism_equals_the_packed_path(world):
-    if "mla" not in world[0]["tp2-mla"]:
+    _latent_attention_exact(world, "tp2-mla")
+
+
+@layouts.mark("tp2", "sp")
+def test_multi_latent_attention_under_sequence_parallelism_equals_the_packed_path(world):
+    _latent_attention_exact(world, "tp2-sp-mla")
+
+
+def _latent_attention_exact(world, layout: str) -> None:
+    if "mla" not in world[0][layout]:
         pytest.skip("this megatron-core's MLA does not run packed input on CPU (0.13)")
     for rank in world:
-        lp, grads, named = rank["tp2-mla"]["mla"]
-        assert named > 0 and lp < TOL and grads < GRAD_TOL
+        lp, grads, named = rank[layout]["mla"]
+        assert named > 0 and lp < TOL and grads < GRAD_TOL, (layout, lp, grads)
 
 
 @layouts.mark("pp2")
