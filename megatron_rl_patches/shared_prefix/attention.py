@@ -1,14 +1,18 @@
-"""Attention over a shared-prefix stream: a remainder sees its prefix and itself, nothing of its
-siblings; a prefix, a sample alone and padding see themselves, causally.
+"""Attention over a shared-prefix stream: a segment sees its ancestors and itself, causally, nothing
+of its siblings (the rule of `attention_rule`, written once).
 
-Two routes over one rule (`SharedPrefixPlan.segments` / `visible`):
-- `mask`: each independent block of the plan on its own through torch's scaled dot-product attention:
-  a sample alone and padding plainly causal; a group's prefix causal, then each remainder's rows
-  against the prefix's keys and its own under its [R, P + R] mask (all of the prefix, itself
-  causally), so a group costs P² + Σ R·(P + R) scores, never its siblings' (any device; the route on
-  CPU, and with gradients wherever FlexAttention has none).
-- `flex`: FlexAttention over the whole stream with a block mask built from the same rule (CUDA,
-  forward and backward; on CPU torch runs it without gradients).
+Two routes over that rule:
+- `mask`: on CPU, the rule's blocks (`attention_rule.pieces`) each through torch's flash attention
+  for CPU, where the keys and values lie: each segment against its own keys causally, the rows under
+  a segment against its keys wholly (one call for all of them: a prefix's keys are read once, never
+  copied per remainder), the blocks merged by their log-sum-exp; backward the same blocks with the
+  merged output and log-sum-exp (exact: each block's gradient is the whole softmax's). Grouped
+  key/value heads stay grouped (the kernel reads them per group). Autograd keeps the queries, keys,
+  values, output and log-sum-exp, as one attention over the stream would. Elsewhere (another device,
+  dropout on the probabilities) each subtree under the root through torch's scaled dot-product
+  attention with the rule as its mask.
+- `flex`: FlexAttention over the whole stream with the rule as its mask function (CUDA, forward and
+  backward; on CPU torch runs it without gradients).
 Both take megatron-core's core-attention layout (query [s, b, heads, d], key / value [s, b,
 groups, d]; [s, heads, d] where megatron-core squeezed the packed batch) and return [s, b, heads * d]
 ([s, 1, heads * d])."""
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.shared_prefix.attention_rule import Pieces, dense, pieces, sees
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 ROUTES = ("auto", "mask", "flex")
@@ -48,8 +53,6 @@ def _grouped(key: torch.Tensor, heads: int) -> torch.Tensor:
     groups = key.size(1)
     if groups == heads:
         return key
-    if heads % groups:
-        raise ValueError(f"shared-prefix attention: {heads} query heads do not split into {groups} key/value groups")
     return key.repeat_interleave(heads // groups, dim=1)
 
 
@@ -63,32 +66,103 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if rows != plan.physical_length:
         raise ValueError(f"shared-prefix attention: the query has {rows} rows, the plan's stream "
                          f"{plan.physical_length}")
-    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
+    if heads % key.size(2):
+        raise ValueError(f"shared-prefix attention: {heads} query heads do not split into {key.size(2)} key/value "
+                         "groups")
     route = chosen_route(check_route(route), query)
     if route == "flex":
-        out = _flex(q, k, v, plan, scale)
-    else:
-        k, v = _grouped(k, heads), _grouped(v, heads)
-        parts = []
-        for block in plan.blocks:
-            if block.causal:
-                part = slice(block.start, block.end)
-                parts.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part],
-                                                            dropout_p=dropout, is_causal=True, scale=scale))
-                continue
-            prefix = slice(block.start, block.start + block.prefix)
-            parts.append(F.scaled_dot_product_attention(q[:, :, prefix], k[:, :, prefix], v[:, :, prefix],
-                                                        dropout_p=dropout, is_causal=True, scale=scale))
-            for first, last in block.rests:
-                rest = slice(first, last)
-                keys = torch.cat([k[:, :, prefix], k[:, :, rest]], dim=2)
-                values = torch.cat([v[:, :, prefix], v[:, :, rest]], dim=2)
-                mask = plan.cached(("rest", block.prefix, last - first, str(q.device)),
-                                   functools.partial(rest_mask, block.prefix, last - first, q.device))
-                parts.append(F.scaled_dot_product_attention(q[:, :, rest], keys, values, attn_mask=mask,
-                                                            dropout_p=dropout, scale=scale))
-        out = torch.cat(parts, dim=2)
-    return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
+        out = _flex(_heads_first(query), _heads_first(key), _heads_first(value), plan, scale)
+        return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
+    if query.device.type == "cpu" and dropout == 0.0 and rows:
+        blocks = plan.cached(("pieces",), lambda: rule_pieces(plan))
+        return BlockAttention.apply(query, key, value, blocks, scale).view(rows, batch, heads * width)
+    return rule_masked_attention(query, key, value, plan, scale, dropout).view(rows, batch, heads * width)
+
+
+def rule_pieces(plan: SharedPrefixPlan) -> Pieces:
+    """The plan's blocks under the one rule."""
+    reach = plan.reach[plan.segment_starts] if plan.physical_length else plan.reach
+    return pieces(plan.segment_starts, plan.segment_ends, reach)
+
+
+def rule_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan,
+                          scale: float, dropout: float) -> torch.Tensor:
+    """Each subtree under the root through scaled dot-product attention under the rule's mask: [s, b, h, d]."""
+    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
+    k, v = _grouped(k, q.size(1)), _grouped(v, q.size(1))
+    reach = plan.on(q.device, "reach")
+    tops = (plan.segment_parents < 0).nonzero().flatten().tolist()
+    parts = [q[:, :, :0]]
+    for segment in tops:
+        start = int(plan.segment_starts[segment])
+        end = int(plan.reach[start])
+        part = slice(start, end)
+        mask = plan.cached(("dense", start, str(q.device)), functools.partial(dense, end, reach, start, end))
+        parts.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], attn_mask=mask,
+                                                    dropout_p=dropout, scale=scale))
+    return torch.cat(parts, dim=2).permute(2, 0, 1, 3)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[Any, Any]:
+    """torch's flash attention for CPU of [s, b, h, d] rows: (output [b, h, s, d], log-sum-exp [b, h, s])."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale)
+
+
+class BlockAttention(torch.autograd.Function):
+    """The rule's blocks on CPU, merged by their log-sum-exp (see the module)."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Pieces,
+                scale: float) -> torch.Tensor:
+        rows, batch, heads, width = query.shape
+        low = query.dtype in (torch.float16, torch.bfloat16)
+        acc = torch.float32 if low else query.dtype
+        out = torch.empty(rows, batch, heads, width, dtype=acc)
+        lse = torch.empty(batch, heads, rows, dtype=acc)
+        merged = _heads_first(out)
+        for start, end in blocks.own:  # every row's own segment first: each row's log-sum-exp finite
+            o, m = _flash(query[start:end], key[start:end], value[start:end], True, scale)
+            merged[:, :, start:end] = o
+            lse[:, :, start:end] = m
+        for start, end, reach in blocks.below:
+            o, m = _flash(query[end:reach], key[start:end], value[start:end], False, scale)
+            before = lse[:, :, end:reach]
+            total = torch.logaddexp(before, m.to(acc))
+            here = merged[:, :, end:reach]
+            here.mul_((before - total).exp_().unsqueeze(-1)).add_(o.to(acc) * (m - total).exp().unsqueeze(-1))
+            lse[:, :, end:reach] = total
+        result = out.to(query.dtype) if low else out
+        ctx.save_for_backward(query, key, value, result, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        query, key, value, out, lse = ctx.saved_tensors
+        blocks, scale = ctx.blocks, ctx.scale
+        low = query.dtype in (torch.float16, torch.bfloat16)
+        acc = torch.float32 if low else query.dtype
+        grads = [torch.zeros(t.shape, dtype=acc) for t in (query, key, value)]
+        gq, gk, gv = (_heads_first(g) for g in grads)
+        q, k, v, o, d = (_heads_first(t) for t in (query, key, value, out, grad.to(query.dtype)))
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+        def block(rows: slice, keys: slice, causal: bool) -> None:
+            dq, dk, dv = backward(d[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], o[:, :, rows],
+                                  lse[:, :, rows].contiguous(), 0.0, causal,
+                                  scale=scale)
+            gq[:, :, rows] += dq
+            gk[:, :, keys] += dk
+            gv[:, :, keys] += dv
+
+        for start, end in blocks.own:
+            block(slice(start, end), slice(start, end), True)
+        for start, end, reach in blocks.below:
+            block(slice(end, reach), slice(start, end), False)
+        if low:
+            grads = [g.to(query.dtype) for g in grads]
+        return grads[0], grads[1], grads[2], None, None
 
 
 @functools.cache
@@ -101,21 +175,11 @@ def compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=True)
 
 
-def rest_mask(prefix: int, rows: int, device: Any) -> torch.Tensor:
-    """[rows, prefix + rows] bool: a remainder's rows see all of its prefix and themselves causally."""
-    mask = torch.ones(rows, prefix + rows, dtype=torch.bool, device=device)
-    mask[:, prefix:] = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
-    return mask
-
-
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float) -> torch.Tensor:
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import flex_attention
 
     attend = compiled_flex() if q.is_cuda else flex_attention  # on CPU torch runs it eagerly, without gradients
-    if q.size(1) % k.size(1):
-        raise ValueError(f"shared-prefix attention: {q.size(1)} query heads do not split into {k.size(1)} key/value "
-                         "groups")
     return attend(q, k, v, block_mask=flex_block_mask(plan, q.device), scale=scale, enable_gqa=q.size(1) != k.size(1))
 
 
@@ -124,11 +188,11 @@ def flex_block_mask(plan: SharedPrefixPlan, device: Any) -> Any:
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    segments, visible = plan.on(device, "segments"), plan.on(device, "visible")
+    reach = plan.on(device, "reach")
 
-    def sees(batch: Any, head: Any, row: Any, column: Any) -> Any:
-        return (column <= row) & ((segments[column] == segments[row]) | (segments[column] == visible[row]))
+    def mask(batch: Any, head: Any, row: Any, column: Any) -> Any:
+        return sees(row, column, reach)
 
     length = plan.physical_length
     return plan.cached(("flex", str(torch.device(device))),
-                       lambda: create_block_mask(sees, None, None, length, length, device=str(device)))
+                       lambda: create_block_mask(mask, None, None, length, length, device=str(device)))

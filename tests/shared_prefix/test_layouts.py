@@ -1,5 +1,6 @@
 """A shared-prefix plan at every layout it claims, on real megatron-core over 2 gloo ranks (one world
-for the module): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
+for the module), one-level GRPO batches and a multi-turn tree (each turn shared by the branches below
+it): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
 (the plan built by each stage from the micro-batch it reads, forward and backward), an MoE model at
 EP = 2 (the allgather dispatcher), each against the
@@ -19,13 +20,18 @@ MICRO_BATCHES = 3
 
 
 def _batches(padding_to: int = 2):
-    from kit.shared_prefix import grpo_batch
+    from kit.shared_prefix import grpo_batch, tree_batch
 
     shapes = [(((60, (4, 9, 2, 6)),), (7,)), (((33, (5, 5)), (20, (3, 8, 1))), ()), (((70, (8,)),), (6, 3))]
     batches = []
     for seed, (groups, alone) in enumerate(shapes):
         rows = sum(p + r for p, rs in groups for r in rs) + sum(alone)
         batches.append(grpo_batch(groups, alone, padding=padding_to + (-rows) % padding_to, seed=seed))
+    # a multi-turn tree (a system prompt, two turns branching 2 then 3 ways) beside a sample alone
+    turns = ((6, 9, 2), (5, 7, 3))
+    rows = 2 * (30 + 6 + 9) + 6 * (30 + 6 + 9 + 5 + 7) + 11  # a sample per trajectory and turn, one alone
+    batches.append(tree_batch(system=30, turns=turns, alone=(11,), per_turn=True,
+                              padding=padding_to + (-rows) % padding_to, seed=7))
     return batches
 
 
