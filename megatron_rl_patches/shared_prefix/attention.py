@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron_rl_patches.shared_prefix.attention_rule import Pieces, dense, pieces, sees
+from megatron_rl_patches.shared_prefix.attention_rule import Block, dense, pieces, sees
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 ROUTES = ("auto", "mask", "flex")
@@ -57,9 +58,13 @@ def _grouped(key: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan, *,
-                            scale: float, dropout: float = 0.0, route: str = "auto") -> torch.Tensor:
+                            scale: float, dropout: float = 0.0, route: str = "auto", window: int | None = None,
+                            sink: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the plan's physical stream (query [s, b, h, d], key / value [s, b, g, d]) ->
-    [s, b, h * d] in the query's dtype; `dropout` on the attention probabilities (0 in evaluation)."""
+    [s, b, h * d] in the query's dtype; `dropout` on the attention probabilities (0 in evaluation);
+    `window`: a sliding window of that many earlier positions (each token's own) besides its own;
+    `sink` [h]: a logit per head added to every row's softmax with no value (megatron-core's
+    `softmax_offset`: zeros for off-by-one, a parameter for a learnable sink, which gets its gradient)."""
     if query.dim() == 3:  # megatron-core < 0.16 squeezes the batch of any packed input: [t, h, d]
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     rows, batch, heads, width = query.shape
@@ -69,77 +74,115 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if heads % key.size(2):
         raise ValueError(f"shared-prefix attention: {heads} query heads do not split into {key.size(2)} key/value "
                          "groups")
-    route = chosen_route(check_route(route), query)
+    if sink is not None and tuple(sink.shape) != (heads,):
+        raise ValueError(f"shared-prefix attention: the sink must hold one logit per query head ({heads}), got "
+                         f"{tuple(sink.shape)}")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+        raise ValueError(f"shared-prefix attention: window must be an int >= 0 (earlier positions seen), got "
+                         f"{window!r}")
+    route = check_route(route)
+    if route == "flex" and sink is not None:
+        raise ValueError("shared-prefix attention: the flex route takes no attention sink; use route='auto' (the "
+                         "rule's mask with the sink as a column) or 'mask'")
+    route = "mask" if route == "auto" and sink is not None else chosen_route(route, query)
     if route == "flex":
-        out = _flex(_heads_first(query), _heads_first(key), _heads_first(value), plan, scale)
+        out = _flex(_heads_first(query), _heads_first(key), _heads_first(value), plan, scale, window)
         return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
-    if query.device.type == "cpu" and dropout == 0.0 and rows:
-        blocks = plan.cached(("pieces",), lambda: rule_pieces(plan))
-        return BlockAttention.apply(query, key, value, blocks, scale).view(rows, batch, heads * width)
-    return rule_masked_attention(query, key, value, plan, scale, dropout).view(rows, batch, heads * width)
+    if not rows:
+        return query.new_zeros(0, batch, heads * width)
+    if query.device.type == "cpu" and dropout == 0.0:
+        blocks = plan.cached(("pieces", window), lambda: rule_pieces(plan, window))
+        offset = sink if sink is not None else query.new_zeros(0)
+        return BlockAttention.apply(query, key, value, offset, blocks, scale).view(rows, batch, heads * width)
+    return rule_masked_attention(query, key, value, plan, scale, dropout, window, sink).view(rows, batch,
+                                                                                             heads * width)
 
 
-def rule_pieces(plan: SharedPrefixPlan) -> Pieces:
+def rule_pieces(plan: SharedPrefixPlan, window: int | None = None) -> tuple[Block, ...]:
     """The plan's blocks under the one rule."""
     reach = plan.reach[plan.segment_starts] if plan.physical_length else plan.reach
-    return pieces(plan.segment_starts, plan.segment_ends, reach)
+    return pieces(plan.segment_starts, plan.segment_ends, reach, plan.positions, window)
 
 
 def rule_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan,
-                          scale: float, dropout: float) -> torch.Tensor:
-    """Each subtree under the root through scaled dot-product attention under the rule's mask: [s, b, h, d]."""
+                          scale: float, dropout: float, window: int | None = None,
+                          sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Each subtree under the root through scaled dot-product attention under the rule's mask (a
+    sink as one more key of score 0, its logit in the mask, its value 0): [s, b, h, d]."""
     q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
     k, v = _grouped(k, q.size(1)), _grouped(v, q.size(1))
-    reach = plan.on(q.device, "reach")
+    reach, positions = plan.on(q.device, "reach"), plan.on(q.device, "positions")
     tops = (plan.segment_parents < 0).nonzero().flatten().tolist()
     parts = [q[:, :, :0]]
     for segment in tops:
         start = int(plan.segment_starts[segment])
         end = int(plan.reach[start])
         part = slice(start, end)
-        mask = plan.cached(("dense", start, str(q.device)), functools.partial(dense, end, reach, start, end))
-        parts.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], attn_mask=mask,
-                                                    dropout_p=dropout, scale=scale))
+        mask = plan.cached(("dense", start, window, str(q.device)),
+                           functools.partial(dense, end, reach, start, end, positions, window))
+        keys, values = k[:, :, part], v[:, :, part]
+        if sink is not None:
+            logits = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+            column = sink.to(q.dtype).view(1, -1, 1, 1).expand(q.size(0), -1, end - start, 1)
+            mask = torch.cat([logits.expand(q.size(0), q.size(1), -1, -1), column], dim=-1)
+            keys = torch.cat([keys, keys.new_zeros(*keys.shape[:2], 1, keys.size(-1))], dim=2)
+            values = torch.cat([values, values.new_zeros(*values.shape[:2], 1, values.size(-1))], dim=2)
+        parts.append(F.scaled_dot_product_attention(q[:, :, part], keys, values, attn_mask=mask, dropout_p=dropout,
+                                                    scale=scale))
     return torch.cat(parts, dim=2).permute(2, 0, 1, 3)
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[Any, Any]:
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[Any, Any]:
     """torch's flash attention for CPU of [s, b, h, d] rows: (output [b, h, s, d], log-sum-exp [b, h, s])."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale)
+        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _logits(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A block's bool mask as the additive logits the kernel takes."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, -math.inf)
 
 
 class BlockAttention(torch.autograd.Function):
-    """The rule's blocks on CPU, merged by their log-sum-exp (see the module)."""
+    """The rule's blocks on CPU, merged by their log-sum-exp (see the module), a sink last."""
 
     @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Pieces,
-                scale: float) -> torch.Tensor:
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sink: torch.Tensor,
+                blocks: tuple[Block, ...], scale: float) -> torch.Tensor:
         rows, batch, heads, width = query.shape
         low = query.dtype in (torch.float16, torch.bfloat16)
         acc = torch.float32 if low else query.dtype
         out = torch.empty(rows, batch, heads, width, dtype=acc)
         lse = torch.empty(batch, heads, rows, dtype=acc)
         merged = _heads_first(out)
-        for start, end in blocks.own:  # every row's own segment first: each row's log-sum-exp finite
-            o, m = _flash(query[start:end], key[start:end], value[start:end], True, scale)
-            merged[:, :, start:end] = o
-            lse[:, :, start:end] = m
-        for start, end, reach in blocks.below:
-            o, m = _flash(query[end:reach], key[start:end], value[start:end], False, scale)
-            before = lse[:, :, end:reach]
+        for block in blocks:
+            (first, last), (start, end) = block.rows, block.keys
+            o, m = _flash(query[first:last], key[start:end], value[start:end], block.causal, scale,
+                          _logits(block.mask, query.dtype))
+            if block.own:  # every row's own segment first: each row's log-sum-exp finite
+                merged[:, :, first:last] = o
+                lse[:, :, first:last] = m
+                continue
+            if block.mask is not None:  # rows the window leaves nothing of this block: no weight
+                m = m.masked_fill(~block.mask.any(1), -math.inf)
+            before = lse[:, :, first:last]
             total = torch.logaddexp(before, m.to(acc))
-            here = merged[:, :, end:reach]
+            here = merged[:, :, first:last]
             here.mul_((before - total).exp_().unsqueeze(-1)).add_(o.to(acc) * (m - total).exp().unsqueeze(-1))
-            lse[:, :, end:reach] = total
+            lse[:, :, first:last] = total
+        if sink.numel():
+            total = torch.logaddexp(lse, sink.to(acc).view(1, -1, 1))
+            merged.mul_((lse - total).exp_().unsqueeze(-1))
+            lse = total
         result = out.to(query.dtype) if low else out
-        ctx.save_for_backward(query, key, value, result, lse)
+        ctx.save_for_backward(query, key, value, sink, result, lse)
         ctx.blocks, ctx.scale = blocks, scale
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, sink, out, lse = ctx.saved_tensors
         blocks, scale = ctx.blocks, ctx.scale
         low = query.dtype in (torch.float16, torch.bfloat16)
         acc = torch.float32 if low else query.dtype
@@ -147,22 +190,22 @@ class BlockAttention(torch.autograd.Function):
         gq, gk, gv = (_heads_first(g) for g in grads)
         q, k, v, o, d = (_heads_first(t) for t in (query, key, value, out, grad.to(query.dtype)))
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-        def block(rows: slice, keys: slice, causal: bool) -> None:
+        for block in blocks:
+            rows, keys = slice(*block.rows), slice(*block.keys)
             dq, dk, dv = backward(d[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], o[:, :, rows],
-                                  lse[:, :, rows].contiguous(), 0.0, causal,
-                                  scale=scale)
+                                  lse[:, :, rows].contiguous(), 0.0, block.causal,
+                                  attn_mask=_logits(block.mask, query.dtype), scale=scale)
             gq[:, :, rows] += dq
             gk[:, :, keys] += dk
             gv[:, :, keys] += dv
-
-        for start, end in blocks.own:
-            block(slice(start, end), slice(start, end), True)
-        for start, end, reach in blocks.below:
-            block(slice(end, reach), slice(start, end), False)
+        grad_sink = None
+        if sink.numel() and ctx.needs_input_grad[3]:
+            # the sink's column: probability exp(sink - lse), value 0: d sink = -sum p * (dO . O)
+            weight = (sink.to(acc).view(1, -1, 1) - lse).exp()
+            grad_sink = -(weight * (d.to(acc) * o.to(acc)).sum(-1)).sum((0, 2)).to(sink.dtype)
         if low:
             grads = [g.to(query.dtype) for g in grads]
-        return grads[0], grads[1], grads[2], None, None
+        return grads[0], grads[1], grads[2], grad_sink, None, None
 
 
 @functools.cache
@@ -175,24 +218,26 @@ def compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=True)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float) -> torch.Tensor:
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float,
+          window: int | None = None) -> torch.Tensor:
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import flex_attention
 
     attend = compiled_flex() if q.is_cuda else flex_attention  # on CPU torch runs it eagerly, without gradients
-    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device), scale=scale, enable_gqa=q.size(1) != k.size(1))
+    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device, window), scale=scale,
+                  enable_gqa=q.size(1) != k.size(1))
 
 
-def flex_block_mask(plan: SharedPrefixPlan, device: Any) -> Any:
+def flex_block_mask(plan: SharedPrefixPlan, device: Any, window: int | None = None) -> Any:
     """FlexAttention's block mask of the plan on `device` (built once per plan and device)."""
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    reach = plan.on(device, "reach")
+    reach, positions = plan.on(device, "reach"), plan.on(device, "positions")
 
     def mask(batch: Any, head: Any, row: Any, column: Any) -> Any:
-        return sees(row, column, reach)
+        return sees(row, column, reach, positions, window)
 
     length = plan.physical_length
-    return plan.cached(("flex", str(torch.device(device))),
+    return plan.cached(("flex", window, str(torch.device(device))),
                        lambda: create_block_mask(mask, None, None, length, length, device=str(device)))

@@ -18,33 +18,57 @@ from typing import Any
 import torch
 
 
-def sees(row: Any, column: Any, reach: torch.Tensor) -> Any:
-    """Whether physical row `row` attends physical row `column` (tensors of indices, broadcast)."""
-    return (column <= row) & (row < reach[column])
+def sees(row: Any, column: Any, reach: torch.Tensor, positions: torch.Tensor | None = None,
+         window: int | None = None) -> Any:
+    """Whether physical row `row` attends physical row `column` (tensors of indices, broadcast);
+    `window`: a sliding window of that many earlier positions besides the row's own, measured in each
+    token's own `positions` (megatron-core's `window_size[0]`)."""
+    seen = (column <= row) & (row < reach[column])
+    if window is not None and positions is not None:
+        seen = seen & (positions[row] - positions[column] <= window)
+    return seen
 
 
-@dataclass(frozen=True)
-class Pieces:
-    """The rule in blocks of rows: `own` [(start, end)]: each segment's rows against its own keys,
-    causally; `below` [(start, end, reach)]: the rows [end, reach) of a segment's subtree below it
-    against the segment's keys [start, end), wholly."""
+@dataclass(frozen=True, eq=False)
+class Block:
+    """Query rows [rows[0], rows[1]) against key rows [keys[0], keys[1]): a segment against its own
+    keys (`own`: causally) or the rows below it against them (wholly), or under `mask` ([rows, keys]
+    bool) where a window cuts the block."""
 
-    own: tuple[tuple[int, int], ...]
-    below: tuple[tuple[int, int, int], ...]
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    own: bool
+    mask: torch.Tensor | None = None
 
-
-def pieces(segment_starts: torch.Tensor, segment_ends: torch.Tensor, segment_reach: torch.Tensor) -> Pieces:
-    """The rule's blocks for segments [starts, ends) whose subtrees end at `segment_reach`."""
-    own, below = [], []
-    for start, end, reach in zip(segment_starts.tolist(), segment_ends.tolist(), segment_reach.tolist()):
-        if end > start:
-            own.append((start, end))
-            if reach > end:
-                below.append((start, end, reach))
-    return Pieces(tuple(own), tuple(below))
+    @property
+    def causal(self) -> bool:
+        return self.own and self.mask is None
 
 
-def dense(length: int, reach: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+def pieces(segment_starts: torch.Tensor, segment_ends: torch.Tensor, segment_reach: torch.Tensor,
+           positions: torch.Tensor | None = None, window: int | None = None) -> tuple[Block, ...]:
+    """The rule in blocks for segments [starts, ends) whose subtrees end at `segment_reach`: every
+    segment against its own keys first (causally), then the rows of its subtree below it against
+    them (wholly); under a `window`, a block's mask is `sees` read on the block (left out where it
+    sees nothing, kept plain where it sees everything)."""
+    bounds = list(zip(segment_starts.tolist(), segment_ends.tolist(), segment_reach.tolist()))
+    own = [Block((start, end), (start, end), True) for start, end, _ in bounds if end > start]
+    below = [Block((end, reach), (start, end), False) for start, end, reach in bounds if reach > end > start]
+    if window is None or positions is None:
+        return (*own, *below)
+    reach = torch.repeat_interleave(segment_reach, segment_ends - segment_starts)
+    cut = []
+    for block in (*own, *below):
+        rows, keys = torch.arange(*block.rows), torch.arange(*block.keys)
+        mask = sees(rows[:, None], keys[None, :], reach, positions, window)
+        plain = (torch.ones_like(mask).tril() if block.own else torch.ones_like(mask)) == mask
+        if block.own or mask.any():
+            cut.append(block if bool(plain.all()) else Block(block.rows, block.keys, block.own, mask))
+    return tuple(cut)
+
+
+def dense(length: int, reach: torch.Tensor, start: int = 0, end: int | None = None,
+          positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """[rows, rows] bool: the rule over the rows [start, end) (a reference, and the fallback route's mask)."""
     index = torch.arange(start, length if end is None else end, device=reach.device)
-    return sees(index[:, None], index[None, :], reach)
+    return sees(index[:, None], index[None, :], reach, positions, window)

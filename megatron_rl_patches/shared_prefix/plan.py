@@ -146,13 +146,18 @@ def _count(name: str, value: Any, low: int) -> int:
 
 
 def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | None = None, pad_to: int = 1,
-                       min_shared: int = 1, hints: Sequence[Any] | None = None) -> SharedPrefixPlan:
+                       min_shared: int = 1, hints: Sequence[Any] | None = None,
+                       levels: int | None = None) -> SharedPrefixPlan:
     """The shared-prefix plan of a micro-batch packed as `tokens` ([T] or [1, T]) with sequence
     boundaries `cu_seqlens` ([n + 1], as megatron-core's `PackedSeqParams`). The first `samples`
     sequences (default: all) are samples; later sequences and the rows past `cu_seqlens[-1]` are
     padding, never shared. The physical stream is padded to a multiple of `pad_to` (the tensor-parallel
-    size under sequence parallelism). Samples share a prefix of at least `min_shared` tokens. `hints`
-    (one per sample, e.g. a claimed group index) only count claimed groups whose tokens differ."""
+    size under sequence parallelism). Every run of leading tokens samples share is computed once, at
+    any depth (a tree: a branch point's last row serves each child), where the run adds at least
+    `min_shared` tokens to the shared segment above it (else its tokens go down into each child);
+    `levels` caps the shared segments on a sample's path (1: a group's longest common prefix, then
+    each member's rest whole). `hints` (one per sample, e.g. a claimed group index) only count
+    claimed groups whose tokens differ."""
     ids = _ids(tokens)
     bounds = _bounds(cu_seqlens, ids.numel())
     n = len(bounds) - 1
@@ -166,7 +171,9 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
                          "pack only non-empty samples")
     if hints is not None and len(hints) != samples:
         raise ValueError(f"plan_shared_prefix: hints must hold one entry per sample ({samples}), got {len(hints)}")
-    tree = tree_layout(ids, starts, ends, min_shared)
+    if levels is not None:
+        _count("levels", levels, 1)
+    tree = tree_layout(ids, starts, ends, min_shared, levels)
     groups = tuple(Group(members, shared) for members, shared in tree.tops)
     physical = tree.rows
     logical_padding = ids.numel() - (ends[-1] if ends else 0)

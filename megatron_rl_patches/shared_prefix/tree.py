@@ -69,8 +69,8 @@ def sorted_samples(ids: torch.Tensor, starts: list[int], ends: list[int]) -> lis
     """The samples' indices in lexicographic order of their tokens (ties: by index)."""
     if not starts:
         return []
-    values = ids[:ends[-1]]
-    values = (values - values.min()).numpy()
+    stream = ids[:ends[-1]]
+    values = (stream - stream.min()).numpy()
     width = 8 if values.max() >= 2 ** 32 else 4
     data = values.astype(f">u{width}").tobytes()  # big-endian: bytes compare as the ids do
     keys = [data[width * start:width * end] for start, end in zip(starts, ends)]
@@ -116,8 +116,11 @@ def lcp_tree(order: list[int], lengths: list[int], common: list[int]) -> tuple[l
     return parent, depth, sample
 
 
-def tree_layout(ids: torch.Tensor, starts: list[int], ends: list[int], min_shared: int) -> TreeLayout:
-    """The layout of the samples [starts[i], ends[i]) of the packed `ids` (see the module)."""
+def tree_layout(ids: torch.Tensor, starts: list[int], ends: list[int], min_shared: int,
+                levels: int | None = None) -> TreeLayout:
+    """The layout of the samples [starts[i], ends[i]) of the packed `ids` (see the module), at most
+    `levels` shared segments on a sample's path (None: every level; 1: a group's longest common
+    prefix, then each member's rest whole)."""
     n = len(starts)
     lengths = [end - start for start, end in zip(starts, ends)]
     order = sorted_samples(ids, starts, ends)
@@ -140,11 +143,14 @@ def tree_layout(ids: torch.Tensor, starts: list[int], ends: list[int], min_share
     laid[0] = True
     kids: list[list[int]] = [[] for _ in range(nodes)]
     ending: list[list[int]] = [[] for _ in range(nodes)]  # samples ending inside a laid-out node's rows
+    level = [0] * nodes  # shared segments laid out on the path down to a node
     for node in topdown[1:]:
         above = laid_under[parent[node]]
         gain = depth[node] - depth[above]
-        laid[node] = gain > 0 and (sample[node] >= 0 or gain >= min_shared)
+        shares = gain >= min_shared and (levels is None or level[above] < levels)
+        laid[node] = gain > 0 and (sample[node] >= 0 or shares)
         laid_under[node] = node if laid[node] else above
+        level[node] = level[above] + (1 if laid[node] and sample[node] < 0 else 0)
         if laid[node]:
             kids[above].append(node)
         if sample[node] >= 0:
@@ -160,16 +166,16 @@ def tree_layout(ids: torch.Tensor, starts: list[int], ends: list[int], min_share
     high: list[int] = []
     walk = [(node, -1, 0) for node in reversed(kids[0])]
     while walk:
-        node, up, level = walk.pop()
+        node, up, tier = walk.pop()
         segment = len(preorder)
         preorder.append(node)
         seg_parent.append(up)
-        seg_depth.append(level)
+        seg_depth.append(tier)
         seg_base.append(depth[laid_under[parent[node]]])
         low.append(len(held))
         held.extend(sorted(ending[node]))
         high.append(len(held))
-        walk.extend((kid, segment, level + 1) for kid in reversed(kids[node]))
+        walk.extend((kid, segment, tier + 1) for kid in reversed(kids[node]))
     count = len(preorder)
     seg_len = [depth[node] - base for node, base in zip(preorder, seg_base)]
     subtree = list(seg_len)  # children after their parent in preorder: summed from the end

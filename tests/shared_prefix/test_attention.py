@@ -27,17 +27,26 @@ def _batch(prompt: int, responses: list[int], alone: list[int], padding: int = 3
     return samples, cu, plan_shared_prefix(tokens, cu, pad_to=4)
 
 
-def _reference(q, k, v, plan, cu, samples, scale):
-    """Each sample's own causal attention in float64, its rows gathered from the physical stream
-    through the plan: [T, b, h * d] on the samples' logical rows."""
+def _reference(q, k, v, plan, cu, samples, scale, window=None, sink=None):
+    """Each sample's own causal attention in float64 (a sliding `window` of earlier positions, a
+    `sink` logit per head as megatron-core's SoftmaxOne adds it), its rows gathered from the physical
+    stream through the plan: [T, b, h * d] on the samples' logical rows."""
     outs = []
     for i, sample in enumerate(samples):
         rows = plan.logical_rows[cu[i]:cu[i] + len(sample)]
         qi, ki, vi = (t[rows].double().permute(1, 2, 0, 3) for t in (q, k, v))
         ki, vi = (t.repeat_interleave(HEADS // GROUPS, dim=1) for t in (ki, vi))
         scores = qi @ ki.transpose(-1, -2) * scale
-        scores = scores.masked_fill(~torch.ones(len(sample), len(sample), dtype=torch.bool).tril(), -math.inf)
-        outs.append((scores.softmax(-1) @ vi).permute(2, 0, 1, 3).flatten(2))
+        seen = torch.ones(len(sample), len(sample), dtype=torch.bool).tril()
+        if window is not None:
+            seen &= ~torch.ones_like(seen).tril(-window - 1)
+        scores = scores.masked_fill(~seen, -math.inf)
+        if sink is not None:
+            column = sink.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append((probs @ vi).permute(2, 0, 1, 3).flatten(2))
     return torch.cat(outs)
 
 
@@ -132,11 +141,10 @@ def test_both_routes_are_made_from_the_one_rule():
     _, _, plan = _tree()
     length = plan.physical_length
     covered = torch.zeros(length, length, dtype=torch.int64)
-    blocks = rule_pieces(plan)
-    for start, end in blocks.own:
-        covered[start:end, start:end] += torch.ones(end - start, end - start, dtype=torch.int64).tril()
-    for start, end, reach in blocks.below:
-        covered[end:reach, start:end] += 1
+    for block in rule_pieces(plan):
+        (first, last), (start, end) = block.rows, block.keys
+        full = torch.ones(last - first, end - start, dtype=torch.int64)
+        covered[first:last, start:end] += full.tril() if block.causal else full
     rule = dense(length, plan.reach)
     assert torch.equal(covered, rule.long())
     for row in range(length):  # the rule itself: the row's own sample's rows, causally (through the logical map)
@@ -191,3 +199,47 @@ def test_bfloat16_stays_within_a_bf16_step_of_float32():
     assert (out.float() - want).abs().max() < 3e-2
     out.float().sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all() for t in low)
+
+
+@pytest.mark.parametrize(("window", "with_sink"), [(3, False), (None, True), (5, True), (0, True)])
+def test_windows_in_each_tokens_own_positions_and_sinks_are_exact_in_float64(window, with_sink):
+    """A sliding window counts each token's own positions (a remainder's window reaches back into its
+    ancestors' rows); a sink is a logit column per head; the sink's gradient too; both routes."""
+    samples, cu, plan = _tree(per_turn=True)
+    gen = torch.Generator().manual_seed(8)
+    shape = (plan.physical_length, 2)
+    q = torch.randn(*shape, HEADS, WIDTH, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(*shape, GROUPS, WIDTH, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    sink = torch.randn(HEADS, generator=gen, dtype=torch.float64, requires_grad=True) if with_sink else None
+    inputs = (q, k, v) + ((sink,) if with_sink else ())
+    want = _reference(q, k, v, plan, cu, samples, 0.35, window, sink)
+    weights = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    wants = torch.autograd.grad((want * weights).sum(), inputs)
+    for route in ("mask", "masked"):
+        if route == "mask":
+            out = shared_prefix_attention(q, k, v, plan, scale=0.35, route="mask", window=window, sink=sink)
+        else:  # the dense fallback (another device, dropout) under the same rule
+            from megatron_rl_patches.shared_prefix.attention import rule_masked_attention
+
+            out = rule_masked_attention(q, k, v, plan, 0.35, 0.0, window, sink).flatten(2)
+        got = out[plan.logical_rows[:cu[len(samples)]]]
+        assert (got - want).abs().max() < 1e-12, route
+        grads = torch.autograd.grad((got * weights).sum(), inputs)
+        for g, w in zip(grads, wants):
+            assert (g - w).abs().max() < 1e-12 * max(1.0, float(w.abs().max())), route
+    if window is not None:  # the window cuts: a plain causal tree differs
+        plain = shared_prefix_attention(q, k, v, plan, scale=0.35, route="mask", sink=sink)
+        assert (plain[plan.logical_rows[:cu[len(samples)]]] - want).abs().max() > 1e-3
+
+
+def test_a_window_and_a_sink_are_checked():
+    _, _, plan = _batch(5, [2, 3], [])
+    q = torch.randn(plan.physical_length, 1, HEADS, WIDTH)
+    k, v = torch.randn(plan.physical_length, 1, GROUPS, WIDTH), torch.randn(plan.physical_length, 1, GROUPS, WIDTH)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        shared_prefix_attention(q, k, v, plan, scale=0.5, sink=torch.zeros(GROUPS))
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        shared_prefix_attention(q, k, v, plan, scale=0.5, window=-1)
+    with pytest.raises(ValueError, match="the flex route takes no attention sink"):
+        shared_prefix_attention(q, k, v, plan, scale=0.5, route="flex", sink=torch.zeros(HEADS))

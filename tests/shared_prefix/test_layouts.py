@@ -70,6 +70,10 @@ def _tensor_parallel_checks(sequence_parallel: bool) -> dict:
                         torch.distributed.all_reduce(summed[name], group=tp)
             out[index] = (relative_error(lp, want_lp), relative_error(ent, want_ent), grad_error(grads, want_grads),
                           bool(torch.isfinite(lp).all()))
+        from kit.shared_prefix import trie_size
+
+        tree = _batches()[-1]  # the tree planned: each distinct leading run once
+        out["tree"] = (tree.plan(pad_to=2).stats.physical_tokens, trie_size(tree.sequences))
     return out
 
 
@@ -191,6 +195,8 @@ def world():
 @layouts.mark("tp2")
 def test_tensor_parallel_equals_the_packed_path(world):
     for rank in world:
+        tree, trie = rank["tp2"].pop("tree")
+        assert tree == trie
         for lp, ent, grads, finite in rank["tp2"].values():
             assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
 
@@ -198,6 +204,7 @@ def test_tensor_parallel_equals_the_packed_path(world):
 @layouts.mark("tp2", "sp")
 def test_sequence_parallel_equals_the_packed_path(world):
     for rank in world:
+        rank["tp2-sp"].pop("tree")
         for lp, ent, grads, finite in rank["tp2-sp"].values():
             assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
 

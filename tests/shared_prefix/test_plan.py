@@ -224,3 +224,14 @@ def test_min_shared_applies_per_branch():
     plan = plan_shared_prefix(*_packed(short), min_shared=4)
     assert plan.stats.physical_tokens == 3 + 7 and plan.logical_rows[:3].tolist() == [0, 1, 2]
     assert plan_shared_prefix(*_packed(short), min_shared=3).stats.physical_tokens == 7
+
+
+def test_levels_caps_the_depth_one_level_a_groups_longest_common_prefix():
+    from kit.shared_prefix import tree_batch
+
+    batch = tree_batch(system=30, turns=((5, 9, 2), (4, 6, 3)), vocab=10 ** 6)
+    one = batch.plan(levels=1)
+    assert one.stats.physical_tokens == 35 + 6 * (9 + 4 + 6) and int(one.segment_depths.max()) == 1
+    assert batch.plan(levels=2).stats.physical_tokens == batch.plan().stats.physical_tokens
+    with pytest.raises(ValueError, match="levels must be an int >= 1"):
+        batch.plan(levels=0)
