@@ -232,6 +232,9 @@ def layer_window(config: Any, layer_number: int) -> int | None:
         return None
     if isinstance(skip, (list, tuple)) and not skip[layer_number - 1]:
         return None
+    if int(window[1]) > 0:
+        raise ValueError(f"shared prefix: window_size={tuple(window)} lets a token see {window[1]} later ones; a "
+                         "shared-prefix plan runs causal attention only (window_size=(w, 0))")
     left = int(window[0])
     return None if left < 0 else left  # -1: no limit (Transformer Engine's convention)
 

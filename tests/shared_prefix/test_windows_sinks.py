@@ -74,3 +74,15 @@ def test_windows_and_sinks_equal_each_sample_run_alone(megatron_cpu, overrides):
     sinks = [name for name in grads if name.endswith("softmax_offset")]
     assert (len(sinks) == 2) == (overrides.get("softmax_type") == "learnable")
     assert all(float(grads[name].abs().max()) > 0 for name in sinks)
+
+
+def test_a_window_reaching_later_tokens_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.shared_prefix.model_hooks import layer_window
+
+    assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=None), 1) == 4
+    assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=[0, 1]), 1) is None
+    assert layer_window(SimpleNamespace(window_size=(-1, 0), window_attn_skip_freq=None), 1) is None
+    with pytest.raises(ValueError, match=r"window_size=\(4, 2\) lets a token see 2 later ones"):
+        layer_window(SimpleNamespace(window_size=(4, 2), window_attn_skip_freq=None), 1)
