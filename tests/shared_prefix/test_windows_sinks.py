@@ -23,9 +23,15 @@ def _model(**overrides):
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
 
-    if "softmax_type" in overrides and "softmax_type" not in {f.name for f in dataclasses.fields(TransformerConfig)}:
-        pytest.skip("attention sinks (softmax_type) need megatron-core >= 0.14")
-    model = build_packed_gpt(seq_length=256, seed=5, config=tiny_gpt_config(num_query_groups=2, **overrides))
+    missing = set(overrides) - {f.name for f in dataclasses.fields(TransformerConfig)}
+    if missing:
+        pytest.skip(f"this megatron-core has no {', '.join(sorted(missing))}")
+    try:
+        model = build_packed_gpt(seq_length=256, seed=5, config=tiny_gpt_config(num_query_groups=2, **overrides))
+    except AssertionError as exc:  # megatron-core 0.13's local attention: windows on Transformer Engine only
+        if "only supported by TEDotProductAttention" not in str(exc):
+            raise
+        pytest.skip("this megatron-core's local attention takes no sliding window (the reference)")
     with torch.no_grad():  # sinks large enough to matter (megatron-core initializes them near 0)
         for name, param in model.named_parameters():
             if name.endswith("softmax_offset"):
