@@ -1,14 +1,18 @@
-"""Attention over a shared-prefix stream: a remainder sees its prefix and itself, nothing of its
-siblings; a prefix, a sample alone and padding see themselves, causally.
+"""Attention over a shared-prefix stream: a segment sees its ancestors and itself, causally, nothing
+of its siblings (the rule of `attention_rule`, written once).
 
-Two routes over one rule (`SharedPrefixPlan.segments` / `visible`):
-- `mask`: each independent block of the plan on its own through torch's scaled dot-product attention:
-  a sample alone and padding plainly causal; a group's prefix causal, then each remainder's rows
-  against the prefix's keys and its own under its [R, P + R] mask (all of the prefix, itself
-  causally), so a group costs P² + Σ R·(P + R) scores, never its siblings' (any device; the route on
-  CPU, and with gradients wherever FlexAttention has none).
-- `flex`: FlexAttention over the whole stream with a block mask built from the same rule (CUDA,
-  forward and backward; on CPU torch runs it without gradients).
+Two routes over that rule:
+- `mask`: on CPU, the rule's blocks (`attention_rule.pieces`) each through torch's flash attention
+  for CPU, where the keys and values lie: each segment against its own keys causally, the rows under
+  a segment against its keys wholly (one call for all of them: a prefix's keys are read once, never
+  copied per remainder), the blocks merged by their log-sum-exp; backward the same blocks with the
+  merged output and log-sum-exp (exact: each block's gradient is the whole softmax's). Grouped
+  key/value heads stay grouped (the kernel reads them per group). Autograd keeps the queries, keys,
+  values, output and log-sum-exp, as one attention over the stream would. Elsewhere (another device,
+  dropout on the probabilities) each subtree under the root through torch's scaled dot-product
+  attention with the rule as its mask.
+- `flex`: FlexAttention over the whole stream with the rule as its mask function (CUDA, forward and
+  backward; on CPU torch runs it without gradients).
 Both take megatron-core's core-attention layout (query [s, b, heads, d], key / value [s, b,
 groups, d]; [s, heads, d] where megatron-core squeezed the packed batch) and return [s, b, heads * d]
 ([s, 1, heads * d])."""
@@ -16,11 +20,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.shared_prefix.attention_rule import Block, dense, pieces, sees
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 ROUTES = ("auto", "mask", "flex")
@@ -48,48 +54,173 @@ def _grouped(key: torch.Tensor, heads: int) -> torch.Tensor:
     groups = key.size(1)
     if groups == heads:
         return key
-    if heads % groups:
-        raise ValueError(f"shared-prefix attention: {heads} query heads do not split into {groups} key/value groups")
     return key.repeat_interleave(heads // groups, dim=1)
 
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan, *,
-                            scale: float, dropout: float = 0.0, route: str = "auto") -> torch.Tensor:
-    """Attention of the plan's physical stream (query / key [s, b, h, d] / [s, b, g, d], value [s, b, g,
-    dv]: multi-latent attention's values have a width of their own) -> [s, b, h * dv] in the query's dtype;
-    `dropout` on the attention probabilities (0 in evaluation)."""
+                            scale: float, dropout: float = 0.0, route: str = "auto", window: int | None = None,
+                            sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the plan's physical stream (query [s, b, h, d], key / value [s, b, g, d]) ->
+    [s, b, h * d] in the query's dtype; `dropout` on the attention probabilities (0 in evaluation);
+    `window`: a sliding window of that many earlier positions (each token's own) besides its own;
+    `sink` [h]: a logit per head added to every row's softmax with no value (megatron-core's
+    `softmax_offset`: zeros for off-by-one, a parameter for a learnable sink, which gets its gradient)."""
     if query.dim() == 3:  # megatron-core < 0.16 squeezes the batch of any packed input: [t, h, d]
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     rows, batch, heads = query.shape[:3]
+    width = value.size(-1)  # multi-latent attention's values have a width of their own
     if rows != plan.physical_length:
         raise ValueError(f"shared-prefix attention: the query has {rows} rows, the plan's stream "
                          f"{plan.physical_length}")
-    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
-    route = chosen_route(check_route(route), query)
+    if heads % key.size(2):
+        raise ValueError(f"shared-prefix attention: {heads} query heads do not split into {key.size(2)} key/value "
+                         "groups")
+    if sink is not None and tuple(sink.shape) != (heads,):
+        raise ValueError(f"shared-prefix attention: the sink must hold one logit per query head ({heads}), got "
+                         f"{tuple(sink.shape)}")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+        raise ValueError(f"shared-prefix attention: window must be an int >= 0 (earlier positions seen), got "
+                         f"{window!r}")
+    route = check_route(route)
+    if route == "flex" and sink is not None:
+        raise ValueError("shared-prefix attention: the flex route takes no attention sink; use route='auto' (the "
+                         "rule's mask with the sink as a column) or 'mask'")
+    route = "mask" if route == "auto" and sink is not None else chosen_route(route, query)
     if route == "flex":
-        out = _flex(q, k, v, plan, scale)
-    else:
-        k, v = _grouped(k, heads), _grouped(v, heads)
-        parts = []
-        for block in plan.blocks:
-            if block.causal:
-                part = slice(block.start, block.end)
-                parts.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part],
-                                                            dropout_p=dropout, is_causal=True, scale=scale))
+        out = _flex(_heads_first(query), _heads_first(key), _heads_first(value), plan, scale, window)
+        return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
+    if not rows:
+        return query.new_zeros(0, batch, heads * width)
+    if query.device.type == "cpu" and dropout == 0.0:
+        blocks = plan.cached(("pieces", window), lambda: rule_pieces(plan, window))
+        offset = sink if sink is not None else query.new_zeros(0)
+        return _widths_matched(query, key, value, offset, blocks, scale).reshape(rows, batch, heads * width)
+    return rule_masked_attention(query, key, value, plan, scale, dropout, window, sink).reshape(rows, batch,
+                                                                                             heads * width)
+
+
+def _widths_matched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sink: torch.Tensor,
+                    blocks: tuple[Block, ...], scale: float) -> torch.Tensor:
+    """`BlockAttention` where CPU flash attention takes one head width for queries, keys and values:
+    values narrower than the queries (multi-latent attention) padded with zero columns, cut off after
+    (the scores do not change, the padded columns' output is zero): [s, b, h, dv]."""
+    extra = query.size(-1) - value.size(-1)
+    if extra < 0:
+        raise ValueError(f"shared-prefix attention: values wider ({value.size(-1)}) than queries and keys "
+                         f"({query.size(-1)}) are not taken")
+    padded = F.pad(value, (0, extra)) if extra else value
+    out = BlockAttention.apply(query, key, padded, sink, blocks, scale)
+    return out[..., :value.size(-1)] if extra else out
+
+
+def rule_pieces(plan: SharedPrefixPlan, window: int | None = None) -> tuple[Block, ...]:
+    """The plan's blocks under the one rule."""
+    reach = plan.reach[plan.segment_starts] if plan.physical_length else plan.reach
+    return pieces(plan.segment_starts, plan.segment_ends, reach, plan.positions, window)
+
+
+def rule_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan,
+                          scale: float, dropout: float, window: int | None = None,
+                          sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Each subtree under the root through scaled dot-product attention under the rule's mask (a
+    sink as one more key of score 0, its logit in the mask, its value 0): [s, b, h, d]."""
+    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
+    k, v = _grouped(k, q.size(1)), _grouped(v, q.size(1))
+    reach, positions = plan.on(q.device, "reach"), plan.on(q.device, "positions")
+    tops = (plan.segment_parents < 0).nonzero().flatten().tolist()
+    parts = [q[:, :, :0]]
+    for segment in tops:
+        start = int(plan.segment_starts[segment])
+        end = int(plan.reach[start])
+        part = slice(start, end)
+        mask = plan.cached(("dense", start, window, str(q.device)),
+                           functools.partial(dense, end, reach, start, end, positions, window))
+        keys, values = k[:, :, part], v[:, :, part]
+        if sink is not None:
+            logits = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+            column = sink.to(q.dtype).view(1, -1, 1, 1).expand(q.size(0), -1, end - start, 1)
+            mask = torch.cat([logits.expand(q.size(0), q.size(1), -1, -1), column], dim=-1)
+            keys = torch.cat([keys, keys.new_zeros(*keys.shape[:2], 1, keys.size(-1))], dim=2)
+            values = torch.cat([values, values.new_zeros(*values.shape[:2], 1, values.size(-1))], dim=2)
+        parts.append(F.scaled_dot_product_attention(q[:, :, part], keys, values, attn_mask=mask, dropout_p=dropout,
+                                                    scale=scale))
+    return torch.cat(parts, dim=2).permute(2, 0, 1, 3)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[Any, Any]:
+    """torch's flash attention for CPU of [s, b, h, d] rows: (output [b, h, s, d], log-sum-exp [b, h, s])."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _logits(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A block's bool mask as the additive logits the kernel takes."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, -math.inf)
+
+
+class BlockAttention(torch.autograd.Function):
+    """The rule's blocks on CPU, merged by their log-sum-exp (see the module), a sink last."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sink: torch.Tensor,
+                blocks: tuple[Block, ...], scale: float) -> torch.Tensor:
+        rows, batch, heads = query.shape[:3]
+        low = query.dtype in (torch.float16, torch.bfloat16)
+        acc = torch.float32 if low else query.dtype
+        out = torch.empty(rows, batch, heads, value.size(-1), dtype=acc)
+        lse = torch.empty(batch, heads, rows, dtype=acc)
+        merged = _heads_first(out)
+        for block in blocks:
+            (first, last), (start, end) = block.rows, block.keys
+            o, m = _flash(query[first:last], key[start:end], value[start:end], block.causal, scale,
+                          _logits(block.mask, query.dtype))
+            if block.own:  # every row's own segment first: each row's log-sum-exp finite
+                merged[:, :, first:last] = o
+                lse[:, :, first:last] = m
                 continue
-            prefix = slice(block.start, block.start + block.prefix)
-            parts.append(F.scaled_dot_product_attention(q[:, :, prefix], k[:, :, prefix], v[:, :, prefix],
-                                                        dropout_p=dropout, is_causal=True, scale=scale))
-            for first, last in block.rests:
-                rest = slice(first, last)
-                keys = torch.cat([k[:, :, prefix], k[:, :, rest]], dim=2)
-                values = torch.cat([v[:, :, prefix], v[:, :, rest]], dim=2)
-                mask = plan.cached(("rest", block.prefix, last - first, str(q.device)),
-                                   functools.partial(rest_mask, block.prefix, last - first, q.device))
-                parts.append(F.scaled_dot_product_attention(q[:, :, rest], keys, values, attn_mask=mask,
-                                                            dropout_p=dropout, scale=scale))
-        out = torch.cat(parts, dim=2)
-    return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * value.size(-1))  # MLA: values of their own width
+            if block.mask is not None:  # rows the window leaves nothing of this block: no weight
+                m = m.masked_fill(~block.mask.any(1), -math.inf)
+            before = lse[:, :, first:last]
+            total = torch.logaddexp(before, m.to(acc))
+            here = merged[:, :, first:last]
+            here.mul_((before - total).exp_().unsqueeze(-1)).add_(o.to(acc) * (m - total).exp().unsqueeze(-1))
+            lse[:, :, first:last] = total
+        if sink.numel():
+            total = torch.logaddexp(lse, sink.to(acc).view(1, -1, 1))
+            merged.mul_((lse - total).exp_().unsqueeze(-1))
+            lse = total
+        result = out.to(query.dtype) if low else out
+        ctx.save_for_backward(query, key, value, sink, result, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        query, key, value, sink, out, lse = ctx.saved_tensors
+        blocks, scale = ctx.blocks, ctx.scale
+        low = query.dtype in (torch.float16, torch.bfloat16)
+        acc = torch.float32 if low else query.dtype
+        grads = [torch.zeros(t.shape, dtype=acc) for t in (query, key, value)]
+        gq, gk, gv = (_heads_first(g) for g in grads)
+        q, k, v, o, d = (_heads_first(t) for t in (query, key, value, out, grad.to(query.dtype)))
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        for block in blocks:
+            rows, keys = slice(*block.rows), slice(*block.keys)
+            dq, dk, dv = backward(d[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], o[:, :, rows],
+                                  lse[:, :, rows].contiguous(), 0.0, block.causal,
+                                  attn_mask=_logits(block.mask, query.dtype), scale=scale)
+            gq[:, :, rows] += dq
+            gk[:, :, keys] += dk
+            gv[:, :, keys] += dv
+        grad_sink = None
+        if sink.numel() and ctx.needs_input_grad[3]:
+            # the sink's column: probability exp(sink - lse), value 0: d sink = -sum p * (dO . O)
+            weight = (sink.to(acc).view(1, -1, 1) - lse).exp()
+            grad_sink = -(weight * (d.to(acc) * o.to(acc)).sum(-1)).sum((0, 2)).to(sink.dtype)
+        if low:
+            grads = [g.to(query.dtype) for g in grads]
+        return grads[0], grads[1], grads[2], grad_sink, None, None
 
 
 @functools.cache
@@ -102,34 +233,26 @@ def compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=True)
 
 
-def rest_mask(prefix: int, rows: int, device: Any) -> torch.Tensor:
-    """[rows, prefix + rows] bool: a remainder's rows see all of its prefix and themselves causally."""
-    mask = torch.ones(rows, prefix + rows, dtype=torch.bool, device=device)
-    mask[:, prefix:] = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
-    return mask
-
-
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float) -> torch.Tensor:
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float,
+          window: int | None = None) -> torch.Tensor:
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import flex_attention
 
     attend = compiled_flex() if q.is_cuda else flex_attention  # on CPU torch runs it eagerly, without gradients
-    if q.size(1) % k.size(1):
-        raise ValueError(f"shared-prefix attention: {q.size(1)} query heads do not split into {k.size(1)} key/value "
-                         "groups")
-    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device), scale=scale, enable_gqa=q.size(1) != k.size(1))
+    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device, window), scale=scale,
+                  enable_gqa=q.size(1) != k.size(1))
 
 
-def flex_block_mask(plan: SharedPrefixPlan, device: Any) -> Any:
+def flex_block_mask(plan: SharedPrefixPlan, device: Any, window: int | None = None) -> Any:
     """FlexAttention's block mask of the plan on `device` (built once per plan and device)."""
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    segments, visible = plan.on(device, "segments"), plan.on(device, "visible")
+    reach, positions = plan.on(device, "reach"), plan.on(device, "positions")
 
-    def sees(batch: Any, head: Any, row: Any, column: Any) -> Any:
-        return (column <= row) & ((segments[column] == segments[row]) | (segments[column] == visible[row]))
+    def mask(batch: Any, head: Any, row: Any, column: Any) -> Any:
+        return sees(row, column, reach, positions, window)
 
     length = plan.physical_length
-    return plan.cached(("flex", str(torch.device(device))),
-                       lambda: create_block_mask(sees, None, None, length, length, device=str(device)))
+    return plan.cached(("flex", window, str(torch.device(device))),
+                       lambda: create_block_mask(mask, None, None, length, length, device=str(device)))

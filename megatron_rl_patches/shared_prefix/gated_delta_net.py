@@ -42,17 +42,11 @@ class Segment:
 
 
 def plan_segments(plan: SharedPrefixPlan) -> tuple[Segment, ...]:
-    """The plan's segments, every parent before its children: per group its prefix (no parent),
-    then each remainder (the prefix its parent); a sample alone and the padding, no parent."""
-    segments: list[Segment] = []
-    for block in plan.blocks:
-        if not block.prefix:
-            segments.append(Segment(block.start, block.end))
-            continue
-        prefix = len(segments)
-        segments.append(Segment(block.start, block.start + block.prefix))
-        segments += [Segment(start, end, prefix) for start, end in block.rests]
-    return tuple(segments)
+    """The plan's segments in its preorder (every parent before its children), each with its parent
+    segment (None under the root: a shared prefix's first segment, a sample alone, the padding)."""
+    starts, ends, parents = plan.segment_starts.tolist(), plan.segment_ends.tolist(), plan.segment_parents.tolist()
+    return tuple(Segment(start, end, parent if parent >= 0 else None)
+                 for start, end, parent in zip(starts, ends, parents))
 
 
 def checked_segments(segments: tuple[Segment, ...], rows: int) -> tuple[Segment, ...]:

@@ -208,6 +208,32 @@ def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     return rows
 
 
+def layer_window(config: Any, layer_number: int) -> int | None:
+    """The earlier positions a layer's sliding window sees (megatron-core's `window_size[0]` where
+    `window_attn_skip_freq` makes the layer a windowed one), or None."""
+    window = getattr(config, "window_size", None)
+    if not window:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if isinstance(skip, int) and layer_number % skip == 0:
+        return None
+    if isinstance(skip, (list, tuple)) and not skip[layer_number - 1]:
+        return None
+    if int(window[1]) > 0:
+        raise ValueError(f"shared prefix: window_size={tuple(window)} lets a token see {window[1]} later ones; a "
+                         "shared-prefix plan runs causal attention only (window_size=(w, 0))")
+    left = int(window[0])
+    return None if left < 0 else left  # -1: no limit (Transformer Engine's convention)
+
+
+def attention_sink(core: Any) -> torch.Tensor | None:
+    """The core's sink logits per head (`softmax_offset`: zeros off-by-one, a parameter learnable), or None."""
+    if getattr(getattr(core, "config", None), "softmax_type", "vanilla") == "vanilla":
+        return None
+    offset = getattr(core, "softmax_offset", None)
+    return offset if isinstance(offset, torch.Tensor) else None
+
+
 class PlannedCore:
     """The mark of a core attention whose class `planned_class` made."""
 
@@ -229,7 +255,9 @@ def planned_class(cls: Any) -> type:
         if getattr(config, "multi_latent_attention", False):
             scale = self.softmax_scale  # MLA hands its core its own scale (YaRN's mscale squared in it)
         dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
-        return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route)
+        return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route,
+                                       window=layer_window(config, getattr(self, "layer_number", 1)),
+                                       sink=attention_sink(self))
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedCore), {"forward": forward, "__module__": cls.__module__,
                                                                       "__doc__": cls.__doc__})

@@ -1,14 +1,15 @@
 """A micro-batch packed by shared prefix: the plan of its physical rows.
 
 A micro-batch arrives packed as frameworks pack it, one sample after another (the *logical*
-stream, `thd` with its `cu_seqlens`). Samples that share leading tokens (a GRPO group's prompt, a
-multi-turn history, a privileged context) are found by value (`grouping.find_groups`) and laid out
-once: the *physical* stream is, per group, `[prefix, rest_1, ..., rest_G]`, then each sample no other
-shares with, whole, then padding. Causal attention makes this exact: a prefix token never sees what
-follows it, so its states are the same in every sample; a remainder sees its prefix and itself,
-nothing of its siblings (`segments` / `visible`). Each physical row keeps its position in its own
-sample (`positions`), and every logical row has the physical row that computes it
-(`logical_rows`): the prefix's last row predicts each member's first own token, one row for G
+stream, `thd` with its `cu_seqlens`). Every run of leading tokens two or more samples share (a GRPO
+group's prompt, a multi-turn history at each turn where it branches, a privileged context before
+every prompt) is found by value and laid out once (`tree.tree_layout`: the samples' trie in
+segments, each segment after its parent, its children after it), then padding. Causal attention
+makes this exact: a token never sees what follows it, so a shared token's states are the same in
+every sample holding it; a segment sees its ancestors and itself causally, nothing of its siblings
+(`segments` / `reach`, the one rule of `attention_rule`). Each physical row keeps its position in
+its own sample (`positions`), and every logical row has the physical row that computes it
+(`logical_rows`): a branch point's last row predicts each child's first token, one row for several
 targets. The plan is data: it travels with its micro-batch as an argument (`params.plan_params`)."""
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.shared_prefix.grouping import Group, find_groups
+from megatron_rl_patches.shared_prefix.grouping import Group
 from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
+from megatron_rl_patches.shared_prefix.tree import run_of, tree_layout
 
 
 @dataclass(frozen=True)
@@ -48,34 +50,25 @@ class PlanStats:
                 "split_hints": self.split_hints}
 
 
-@dataclass(frozen=True, eq=False)
-class Block:
-    """Physical rows [start, end) that attend only among themselves: a group (`causal` False: its
-    `prefix` rows first, then each remainder's rows [a, b) of `rests`, each seeing the prefix and
-    itself) or a sample alone, or padding (plainly causal)."""
-
-    start: int
-    end: int
-    causal: bool
-    prefix: int = 0
-    rests: tuple[tuple[int, int], ...] = ()
-
-
 @dataclass(eq=False)
 class SharedPrefixPlan:
     """The physical stream of one micro-batch (CPU tensors, int64): `tokens` [S], `positions` [S]
-    (each token's position in its own sample), `segments` [S] and `visible` [S] (row i sees row j <= i
-    when segments[j] is segments[i] or visible[i]), `logical_rows` [T] (the physical row of each
-    logical row), `logical_tokens` [T] (the stream as packed), the attention `blocks`, the `groups`
-    and `stats`. Build it with :func:`plan_shared_prefix`."""
+    (each token's position in its own sample), `segments` [S] (each row's segment) and `reach` [S]
+    (the end of the rows of its segment's subtree: row i attends row j exactly when j <= i < reach[j],
+    `attention_rule.sees`), per segment its first row `segment_starts`, its parent
+    `segment_parents` (-1 under the root) and `segment_depths` (0 under the root), `logical_rows` [T]
+    (the physical row of each logical row), `logical_tokens` [T] (the stream as packed), the `groups`
+    (the subtrees under the root) and `stats`. Build it with :func:`plan_shared_prefix`."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     segments: torch.Tensor
-    visible: torch.Tensor
+    reach: torch.Tensor
+    segment_starts: torch.Tensor
+    segment_parents: torch.Tensor
+    segment_depths: torch.Tensor
     logical_rows: torch.Tensor
     logical_tokens: torch.Tensor
-    blocks: tuple[Block, ...]
     groups: tuple[Group, ...]
     stats: PlanStats
     padding_rows: int
@@ -88,6 +81,11 @@ class SharedPrefixPlan:
     @property
     def logical_length(self) -> int:
         return int(self.logical_tokens.numel())
+
+    @property
+    def segment_ends(self) -> torch.Tensor:
+        """Each segment's end row (its rows: [segment_starts[s], segment_ends[s]))."""
+        return torch.cat([self.segment_starts[1:], torch.tensor([self.physical_length])])
 
     @property
     def longest(self) -> int:
@@ -149,13 +147,18 @@ def _count(name: str, value: Any, low: int) -> int:
 
 
 def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | None = None, pad_to: int = 1,
-                       min_shared: int = 1, hints: Sequence[Any] | None = None) -> SharedPrefixPlan:
+                       min_shared: int = 1, hints: Sequence[Any] | None = None,
+                       levels: int | None = None) -> SharedPrefixPlan:
     """The shared-prefix plan of a micro-batch packed as `tokens` ([T] or [1, T]) with sequence
     boundaries `cu_seqlens` ([n + 1], as megatron-core's `PackedSeqParams`). The first `samples`
     sequences (default: all) are samples; later sequences and the rows past `cu_seqlens[-1]` are
     padding, never shared. The physical stream is padded to a multiple of `pad_to` (the tensor-parallel
-    size under sequence parallelism). Samples share a prefix of at least `min_shared` tokens. `hints`
-    (one per sample, e.g. a claimed group index) only count claimed groups whose tokens differ."""
+    size under sequence parallelism). Every run of leading tokens samples share is computed once, at
+    any depth (a tree: a branch point's last row serves each child), where the run adds at least
+    `min_shared` tokens to the shared segment above it (else its tokens go down into each child);
+    `levels` caps the shared segments on a sample's path (1: a group's longest common prefix, then
+    each member's rest whole). `hints` (one per sample, e.g. a claimed group index) only count
+    claimed groups whose tokens differ."""
     ids = _ids(tokens)
     bounds = _bounds(cu_seqlens, ids.numel())
     n = len(bounds) - 1
@@ -169,54 +172,35 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
         raise ValueError("plan_shared_prefix: a sample of length 0 (cu_seqlens repeats a boundary); "
                          "pack only non-empty samples")
     hints = hint_values(hints, samples)
-    values = ids.tolist()
-    sequences = [values[start:end] for start, end in zip(starts, ends)]
-    groups = find_groups(sequences, min_shared)
-
-    pieces_tokens: list[torch.Tensor] = []
-    pieces_positions: list[torch.Tensor] = []
-    pieces_segments: list[torch.Tensor] = []
-    pieces_visible: list[torch.Tensor] = []
-    logical_rows = torch.empty(ids.numel(), dtype=torch.int64)
-    blocks: list[Block] = []
-    row = segment = 0
-
-    def lay(piece: torch.Tensor, first_position: int, visible: int | None = None) -> int:
-        nonlocal row, segment
-        length = piece.numel()
-        pieces_tokens.append(piece)
-        pieces_positions.append(torch.arange(first_position, first_position + length))
-        pieces_segments.append(torch.full((length,), segment, dtype=torch.int64))
-        pieces_visible.append(torch.full((length,), segment if visible is None else visible, dtype=torch.int64))
-        start, row, segment = row, row + length, segment + 1
-        return start
-
-    for group in groups:
-        block_start = row
-        shared, prefix_segment, prefix_row = group.shared, 0, 0
-        if shared:
-            prefix_segment = segment
-            prefix_row = lay(ids[starts[group.members[0]]:starts[group.members[0]] + shared], 0)
-        rests = []
-        for member in group.members:
-            start, end = starts[member], ends[member]
-            rest_row = lay(ids[start + shared:end], shared, prefix_segment if shared else None)
-            rests.append((rest_row, row))
-            if shared:
-                logical_rows[start:start + shared] = torch.arange(prefix_row, prefix_row + shared)
-            logical_rows[start + shared:end] = torch.arange(rest_row, rest_row + end - start - shared)
-        blocks.append(Block(block_start, row, causal=not shared, prefix=shared,
-                            rests=tuple(rests) if shared else ()))
-    physical = row
+    if levels is not None:
+        _count("levels", levels, 1)
+    tree = tree_layout(ids, starts, ends, min_shared, levels)
+    groups = tuple(Group(members, shared) for members, shared in tree.tops)
+    physical = tree.rows
     logical_padding = ids.numel() - (ends[-1] if ends else 0)
     needed = 1 if logical_padding else 0  # the row every logical padding row reads
     padding = needed + (-(physical + needed)) % pad_to
+    pad_id = ids[ends[-1] if ends else 0] if logical_padding else torch.tensor(0)
+    starts_t, lengths_t, positions_t, sources_t, reach_t = (tree.starts, tree.lengths, tree.positions, tree.sources,
+                                                              tree.reach)
+    parents, depths = tree.parents, tree.depths
+    if padding:  # padding: a segment of its own, never shared, reading the first padding token
+        one = torch.ones(1, dtype=torch.int64)
+        starts_t, lengths_t = torch.cat([starts_t, one * physical]), torch.cat([lengths_t, one * padding])
+        positions_t, reach_t = torch.cat([positions_t, one * 0]), torch.cat([reach_t, one * (physical + padding)])
+        sources_t = torch.cat([sources_t, one * -1])
+        parents, depths = torch.cat([parents, -one]), torch.cat([depths, one * 0])
+    segments = run_of(lengths_t)
+    local = torch.arange(segments.numel()) - starts_t[segments]
+    positions = positions_t[segments] + local
+    source = sources_t[segments] + local
+    tokens = ids[source.clamp(min=0)] if source.numel() else torch.empty(0, dtype=torch.int64)
     if padding:
-        pad_id = ids[ends[-1] if ends else 0] if logical_padding else torch.tensor(0)
-        pad_row = lay(pad_id.repeat(padding).to(torch.int64), 0)
-        blocks.append(Block(pad_row, row, causal=True))
-        if logical_padding:
-            logical_rows[ids.numel() - logical_padding:] = pad_row
+        tokens[physical:] = pad_id
+    logical_rows = torch.empty(ids.numel(), dtype=torch.int64)
+    logical_rows[:tree.logical_rows.numel()] = tree.logical_rows
+    if logical_padding:
+        logical_rows[ids.numel() - logical_padding:] = physical
     split = 0
     if hints is not None:
         group_of = {member: index for index, group in enumerate(groups) for member in group.members}
@@ -228,10 +212,7 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     stats = PlanStats(samples=samples, logical_tokens=ends[-1] if ends else 0, physical_tokens=physical,
                       groups=len(shared_groups), shared_samples=sum(len(g.members) for g in shared_groups),
                       alone=sum(1 for g in groups if not g.shared), split_hints=split)
-
-    def cat(pieces: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
-
-    return SharedPrefixPlan(tokens=cat(pieces_tokens), positions=cat(pieces_positions), segments=cat(pieces_segments),
-                            visible=cat(pieces_visible), logical_rows=logical_rows, logical_tokens=ids,
-                            blocks=tuple(blocks), groups=tuple(groups), stats=stats, padding_rows=padding)
+    return SharedPrefixPlan(tokens=tokens, positions=positions, segments=segments, reach=reach_t[segments],
+                            segment_starts=starts_t, segment_parents=parents, segment_depths=depths,
+                            logical_rows=logical_rows, logical_tokens=ids, groups=groups, stats=stats,
+                            padding_rows=padding)

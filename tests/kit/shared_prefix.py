@@ -1,5 +1,6 @@
 """Micro-batches shaped as GRPO packs them (groups of samples sharing a prompt, samples alone,
-padding), run on a megatron-core model two ways: the ordinary packed (`thd`) forward and the
+padding) or as an agent's multi-turn trajectories branch (a tree of shared turns), run on a
+megatron-core model two ways: the ordinary packed (`thd`) forward and the
 shared-prefix plan's, with what a test compares (per-token log-probs and entropy of the sample
 rows, an objective over them, the tokens the embedding saw)."""
 from __future__ import annotations
@@ -58,6 +59,10 @@ def grpo_batch(groups: tuple = ((40, (5, 9, 3)),), alone: tuple = (12,), padding
         prompt = shared_context + draw(prompt_length)
         sequences += [prompt + draw(n) for n in responses]
     sequences += [draw(n) for n in alone]
+    return _packed(sequences, padding, draw)
+
+
+def _packed(sequences: list[list[int]], padding: int, draw: Any) -> PackedBatch:
     flat = [t for s in sequences for t in s]
     lengths = [len(s) for s in sequences] + ([padding] if padding else [])
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -66,6 +71,37 @@ def grpo_batch(groups: tuple = ((40, (5, 9, 3)),), alone: tuple = (12,), padding
     return PackedBatch(tokens=stream[None, :-1].contiguous(), labels=stream[None, 1:].contiguous(),
                        positions=positions[None], cu_seqlens=cu, samples=len(sequences), sequences=sequences,
                        rows=torch.arange(len(flat)))
+
+
+def tree_batch(system: int = 24, turns: tuple = ((6, 8, 2), (5, 7, 3)), per_turn: bool = False,
+               alone: tuple = (), padding: int = 4, vocab: int = 64, seed: int = 0) -> PackedBatch:
+    """Multi-turn trajectories that branch: a `system` prompt, then per turn (user tokens, assistant
+    tokens, branches): each trajectory so far gets one user message, then `branches` assistant
+    replies of its own (a tree: turn k shared by every branch below it). `per_turn`: one sample per
+    trajectory and turn (each sample the prefix of the next turn's), else the final trajectories;
+    `alone`: lengths of samples sharing nothing; `padding`: rows after the samples."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    trajectories = [draw(system)]
+    sequences = []
+    for user, assistant, branches in turns:
+        grown = []
+        for trajectory in trajectories:
+            asked = trajectory + draw(user)
+            grown += [asked + draw(assistant) for _ in range(branches)]
+        trajectories = grown
+        if per_turn:
+            sequences += trajectories
+    sequences = (sequences if per_turn else trajectories) + [draw(n) for n in alone]
+    return _packed(sequences, padding, draw)
+
+
+def trie_size(sequences: list[list[int]]) -> int:
+    """The samples' distinct leading-token sequences: what a tree plan computes (naively counted)."""
+    return len({tuple(sample[:k + 1]) for sample in sequences for k in range(len(sample))})
 
 
 def ordinary(model: Any, batch: PackedBatch, **kwargs: Any) -> Any:

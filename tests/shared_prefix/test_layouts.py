@@ -1,5 +1,6 @@
 """A shared-prefix plan at every layout it claims, on real megatron-core over 2 gloo ranks (one world
-for the module): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
+for the module), one-level GRPO batches and a multi-turn tree (each turn shared by the branches below
+it): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
 (the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
 attention at TP = 2, an MoE model at
@@ -22,13 +23,18 @@ MICRO_BATCHES = 3
 
 
 def _batches(padding_to: int = 2):
-    from kit.shared_prefix import grpo_batch
+    from kit.shared_prefix import grpo_batch, tree_batch
 
     shapes = [(((60, (4, 9, 2, 6)),), (7,)), (((33, (5, 5)), (20, (3, 8, 1))), ()), (((70, (8,)),), (6, 3))]
     batches = []
     for seed, (groups, alone) in enumerate(shapes):
         rows = sum(p + r for p, rs in groups for r in rs) + sum(alone)
         batches.append(grpo_batch(groups, alone, padding=padding_to + (-rows) % padding_to, seed=seed))
+    # a multi-turn tree (a system prompt, two turns branching 2 then 3 ways) beside a sample alone
+    turns = ((6, 9, 2), (5, 7, 3))
+    rows = 2 * (30 + 6 + 9) + 6 * (30 + 6 + 9 + 5 + 7) + 11  # a sample per trajectory and turn, one alone
+    batches.append(tree_batch(system=30, turns=turns, alone=(11,), per_turn=True,
+                              padding=padding_to + (-rows) % padding_to, seed=7))
     return batches
 
 
@@ -67,6 +73,10 @@ def _tensor_parallel_checks(sequence_parallel: bool) -> dict:
                         torch.distributed.all_reduce(summed[name], group=tp)
             out[index] = (relative_error(lp, want_lp), relative_error(ent, want_ent), grad_error(grads, want_grads),
                           bool(torch.isfinite(lp).all()))
+        from kit.shared_prefix import trie_size
+
+        tree = _batches()[-1]  # the tree planned: each distinct leading run once
+        out["tree"] = (tree.plan(pad_to=2).stats.physical_tokens, trie_size(tree.sequences))
     return out
 
 
@@ -293,6 +303,8 @@ def world():
 @layouts.mark("tp2")
 def test_tensor_parallel_equals_the_packed_path(world):
     for rank in world:
+        tree, trie = rank["tp2"].pop("tree")
+        assert tree == trie
         for lp, ent, grads, finite in rank["tp2"].values():
             assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
 
@@ -300,6 +312,7 @@ def test_tensor_parallel_equals_the_packed_path(world):
 @layouts.mark("tp2", "sp")
 def test_sequence_parallel_equals_the_packed_path(world):
     for rank in world:
+        rank["tp2-sp"].pop("tree")
         for lp, ent, grads, finite in rank["tp2-sp"].values():
             assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
 

@@ -74,10 +74,8 @@ def test_the_planned_forward_equals_the_packed_one(megatron_cpu, config_name, dt
     assert relative_error(got[0], want[0]) < TOL and relative_error(got[1], want[1]) < TOL
     assert grad_error(got[2], want[2]) < GRAD_TOL[dtype]
     plan = batch.plan()
-    physical = sum(context + p + sum(r) for p, r in groups) - context * (len(groups) - 1) + sum(alone)
-    if any(len(r) == 1 for _, r in groups):  # a group of one shares nothing
-        physical = sum(map(len, batch.sequences))
-    assert plan.stats.physical_tokens == physical
+    trie = {tuple(sample[:k + 1]) for sample in batch.sequences for k in range(len(sample))}
+    assert plan.stats.physical_tokens == len(trie)  # every distinct leading-token sequence once
     assert count.seen == [batch.tokens.numel(), plan.physical_length]
 
 
@@ -87,11 +85,11 @@ def test_the_negative_control_a_plan_that_lets_siblings_see_each_other_differs(m
     batch = grpo_batch(((30, (6, 6)),), (), padding=0)
     model = prepare_shared_prefix(_model("rope-gqa"))
     want = scores(ordinary(model, batch), batch)[0]
-    import dataclasses
 
     plan = batch.plan()
-    group = plan.blocks[0]  # both remainders one: the second sees the first
-    plan.blocks = (dataclasses.replace(group, rests=((group.rests[0][0], group.rests[-1][1]),)), *plan.blocks[1:])
+    first, second = plan.segment_starts[1:3].tolist()  # the first remainder's subtree reaches over the second's
+    plan.reach = plan.reach.clone()
+    plan.reach[first:second] = second + 6
     got = scores(model(batch.tokens, None, None, packed_seq_params=shared_prefix_params(plan)), batch)[0]
     assert relative_error(got[:36], want[:36]) < TOL and relative_error(got, want) > 1e-4
 

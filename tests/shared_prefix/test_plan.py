@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
@@ -21,10 +21,10 @@ def _packed(samples, padding=0):
 
 def _visible(plan, row):
     """The physical rows physical row `row` attends to, under the plan's rule."""
-    seg, vis = plan.segments, plan.visible
-    return [j for j in range(row + 1) if seg[j] == seg[row] or seg[j] == vis[row]]
+    return [j for j in range(row + 1) if row < plan.reach[j]]
 
 
+@settings(deadline=None)  # torch ops per plan: milliseconds on a busy machine
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=7), min_size=1, max_size=6),
        st.integers(0, 3), st.integers(1, 4))
 def test_each_logical_row_sees_exactly_its_own_samples_earlier_tokens(samples, padding, pad_to):
@@ -39,9 +39,10 @@ def test_each_logical_row_sees_exactly_its_own_samples_earlier_tokens(samples, p
             assert int(plan.tokens[row]) == sample[k] and int(plan.positions[row]) == k
             seen = sorted((int(plan.positions[j]), int(plan.tokens[j])) for j in _visible(plan, row))
             assert seen == [(p, sample[p]) for p in range(k + 1)]
-    for block in plan.blocks:  # no row sees past its block
-        for row in range(block.start, block.end):
-            assert min(_visible(plan, row)) >= block.start
+    for top in (plan.segment_parents < 0).nonzero().flatten().tolist():  # no row sees past its subtree
+        start = int(plan.segment_starts[top])
+        for row in range(start, int(plan.reach[start])):
+            assert min(_visible(plan, row)) >= start
     if padding:
         pad_rows = plan.logical_rows[cu[-1]:]
         assert int(pad_rows.min()) >= plan.physical_length - plan.padding_rows
@@ -154,3 +155,83 @@ def test_the_fingerprint_reads_every_row():
     last_token = plan_shared_prefix(*_packed([[1, 2, 3], [1, 2, 4], [5, 7]]))
     assert a.fingerprint() != last_token.fingerprint()
     assert a.fingerprint()[:2] == (6, 8) and 0 <= a.fingerprint()[2] < 2 ** 52
+
+
+def _trie(samples):
+    return len({tuple(s[:k + 1]) for s in samples for k in range(len(s))})
+
+
+@settings(deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=9), min_size=1, max_size=9))
+def test_the_physical_rows_are_the_samples_trie(samples):
+    plan = plan_shared_prefix(*_packed(samples))
+    assert plan.physical_length == plan.stats.physical_tokens == _trie(samples)
+    parents, depths = plan.segment_parents, plan.segment_depths
+    for segment, parent in enumerate(parents.tolist()):  # a parent before its children, one level above
+        assert parent < segment and int(depths[segment]) == (0 if parent < 0 else int(depths[parent]) + 1)
+        start = int(plan.segment_starts[segment])
+        assert int(plan.reach[start]) == int(plan.reach[start:int(plan.segment_ends[segment])].max())
+
+
+def test_a_multi_turn_tree_computes_each_turn_once():
+    from kit.shared_prefix import tree_batch, trie_size
+
+    batch = tree_batch(system=30, turns=((5, 9, 2), (4, 6, 3)), vocab=10 ** 6)  # no chance collisions
+    plan = batch.plan()
+    # the system prompt and the first user turn once, each first answer and its user turn once, then 6 answers
+    assert plan.stats.physical_tokens == trie_size(batch.sequences) == 30 + 5 + 2 * (9 + 4) + 6 * 6
+    assert plan.segment_depths.tolist() == [0, 1, 2, 2, 2, 1, 2, 2, 2, 0]  # the padding a segment of its own
+    assert plan.stats.groups == 1 and plan.groups[0].members == tuple(range(6)) and plan.groups[0].shared == 35
+    # one sample per turn: each turn's sample the prefix of the next: the longest samples' rows only
+    per_turn = tree_batch(system=30, turns=((5, 9, 1), (4, 6, 1), (3, 3, 1)), per_turn=True, padding=0)
+    planned = per_turn.plan()
+    assert planned.physical_length == max(per_turn.lengths) and planned.stats.saved_tokens == 44 + 54
+    for i, sample in enumerate(per_turn.sequences):  # a sample ending inside another reads its rows
+        start = int(per_turn.cu_seqlens[i])
+        assert planned.logical_rows[start:start + len(sample)].tolist() == list(range(len(sample)))
+
+
+def test_grpo_batches_plan_one_level_as_before():
+    """Depth 1: each group's prompt once, then each member's remainder, groups by their first member,
+    samples alone whole: the layout of the one-level plan."""
+    prompt_a, prompt_b = list(range(100, 140)), list(range(200, 230))
+    samples = [prompt_a + [1, 5], [7, 8, 9], prompt_a + [2, 6, 6], prompt_b + [3], prompt_b + [4, 4], prompt_a + [9]]
+    plan = plan_shared_prefix(*_packed(samples, padding=2), pad_to=4)
+    want = prompt_a + [1, 5] + [2, 6, 6] + [9] + [7, 8, 9] + prompt_b + [3] + [4, 4]
+    assert plan.tokens[:len(want)].tolist() == want and plan.stats.physical_tokens == len(want)
+    assert [g.members for g in plan.groups] == [(0, 2, 5), (1,), (3, 4)]
+    assert [g.shared for g in plan.groups] == [40, 0, 30]
+    assert plan.segment_depths.tolist() == [0, 1, 1, 1, 0, 0, 1, 1, 0]
+
+
+def test_min_shared_applies_per_branch():
+    """A branch adding fewer than `min_shared` tokens to the segment above is not split off: its
+    tokens go down into each child; a sample's own remainder is laid out whatever its length."""
+    root = list(range(10, 16))  # 6 tokens all share
+    samples = [root + [1, 2, 7], root + [1, 2, 8], root + [3, 9, 9, 9]]
+    tokens, cu = _packed(samples)
+    # min_shared 1: root, [1, 2] (2 tokens), [7], [8], [3, 9, 9, 9]
+    assert plan_shared_prefix(tokens, cu).stats.physical_tokens == 6 + 2 + 1 + 1 + 4
+    # min_shared 3: [1, 2] adds 2 < 3 tokens: not split off, each child computes it
+    three = plan_shared_prefix(tokens, cu, min_shared=3)
+    assert three.stats.physical_tokens == 6 + 3 + 3 + 4 and three.segment_depths.tolist() == [0, 1, 1, 1]
+    # min_shared 7: the root (6) is shared no more; its tokens go down: the first two share 6 + 2 = 8
+    seven = plan_shared_prefix(tokens, cu, min_shared=7)
+    assert seven.stats.physical_tokens == 8 + 1 + 1 + 10 and [g.shared for g in seven.groups] == [8, 0]
+    assert plan_shared_prefix(tokens, cu, min_shared=9).stats.physical_tokens == 9 + 9 + 10  # all whole
+    # a sample ending inside a branch too short to share: its own rows, no other's
+    short = [root[:3], root + [1]]
+    plan = plan_shared_prefix(*_packed(short), min_shared=4)
+    assert plan.stats.physical_tokens == 3 + 7 and plan.logical_rows[:3].tolist() == [0, 1, 2]
+    assert plan_shared_prefix(*_packed(short), min_shared=3).stats.physical_tokens == 7
+
+
+def test_levels_caps_the_depth_one_level_a_groups_longest_common_prefix():
+    from kit.shared_prefix import tree_batch
+
+    batch = tree_batch(system=30, turns=((5, 9, 2), (4, 6, 3)), vocab=10 ** 6)
+    one = batch.plan(levels=1)
+    assert one.stats.physical_tokens == 35 + 6 * (9 + 4 + 6) and int(one.segment_depths.max()) == 1
+    assert batch.plan(levels=2).stats.physical_tokens == batch.plan().stats.physical_tokens
+    with pytest.raises(ValueError, match="levels must be an int >= 1"):
+        batch.plan(levels=0)

@@ -31,7 +31,15 @@ FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vo
                         "cases": ((1024, 128, 8), (256, 1024, 8))}
 QUICK: dict[str, Any] = {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "vocab": 256, "rounds": 1,
                          "cases": ((48, 8, 4), (8, 24, 2))}
-UNSHARED, SHARED = "unshared", "shared prefix"
+# `--shape multi-turn`: an agent's 4-turn trace (system prompt, per turn a user message and an assistant
+# reply; the trajectory branches 4 ways at turn 2 and each branch 4 ways at turn 3), its final
+# trajectories as samples, and the same turns as one sample per turn of one trajectory
+MULTI_TURN: dict[str, Any] = {**FULL, "shape": "multi-turn", "rounds": 2, "cases": (), "system": 512,
+                              "user": 64, "assistant": 128, "branches": (1, 4, 4, 1)}
+MULTI_TURN_QUICK: dict[str, Any] = {**QUICK, "shape": "multi-turn", "cases": (), "system": 24, "user": 4,
+                                    "assistant": 6, "branches": (1, 2, 2, 1)}
+SHAPES = ("grpo", "multi-turn")
+UNSHARED, SHARED, ONE_LEVEL = "unshared", "shared prefix", "one-level plan"
 COLUMNS = ("case", "packing", "tokens", "forward_ms", "forward_cpu_ms", "forward_vs_unshared", "train_ms",
            "train_cpu_ms", "train_vs_unshared", "activations_MiB", "activations_vs_unshared", "max_abs_diff", "note")
 
@@ -61,7 +69,8 @@ def build_model(plan: dict) -> Any:
                              gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                              normalization="RMSNorm", qk_layernorm=True, add_bias_linear=False,
                              init_method_std=0.02)
-    longest = max(p + r for p, r, _ in plan["cases"])
+    turns = plan.get("system", 0) + len(plan.get("branches", ())) * (plan.get("user", 0) + plan.get("assistant", 0))
+    longest = max([p + r for p, r, _ in plan["cases"]] + [turns])
     return build_packed_gpt(vocab_size=plan["vocab"], seq_length=longest, seed=0, config=config)
 
 
@@ -81,11 +90,49 @@ def micro_batch(prompt: int, response: int, group: int, vocab: int, seed: int = 
     return stream[None, :-1].contiguous(), stream[None, 1:].contiguous(), cu, rows
 
 
+def turns_batch(plan: dict, per_turn: bool, seed: int = 0) -> Any:
+    """The multi-turn trace packed as a framework packs it: its final trajectories (`per_turn` False)
+    or one sample per turn of its first trajectory; rows: those predicting an assistant's tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(0, plan["vocab"], (n,), generator=gen).tolist()
+
+    trajectories = [(draw(plan["system"]), [False] * plan["system"])]
+    samples = []
+    for branches in plan["branches"]:
+        grown = []
+        for tokens, answer in trajectories:
+            asked, marks = tokens + draw(plan["user"]), answer + [False] * plan["user"]
+            grown += [(asked + draw(plan["assistant"]), marks + [True] * plan["assistant"]) for _ in range(branches)]
+        trajectories = grown
+        samples.append(trajectories[0])
+    samples = samples if per_turn else trajectories
+    stream = torch.tensor([t for tokens, _ in samples for t in tokens] + [0])
+    predicts = torch.tensor([m for _, marks in samples for m in marks[1:] + [False]])[None]
+    cu = torch.tensor([0, *torch.tensor([len(t) for t, _ in samples]).cumsum(0).tolist()], dtype=torch.int32)
+    return stream[None, :-1].contiguous(), stream[None, 1:].contiguous(), cu, predicts
+
+
+def cases_of(plan: dict, shape: str) -> list[tuple[str, Any, tuple[str, ...]]]:
+    """(case, micro-batch, routes) per case of the shape."""
+    if shape == "multi-turn":
+        turns = len(plan["branches"])
+        fanout = " x ".join(str(b) for b in plan["branches"] if b > 1)
+        return [(f"{turns} turns, {fanout} branches", turns_batch(plan, False), (UNSHARED, ONE_LEVEL, SHARED)),
+                (f"{turns} turns, a sample per turn", turns_batch(plan, True), (UNSHARED, ONE_LEVEL, SHARED))]
+    return [(f"P={p}, R={r}, G={g}", micro_batch(p, r, g, plan["vocab"]), (UNSHARED, SHARED))
+            for p, r, g in plan["cases"]]
+
+
 def params_of(route: str, tokens: Any, cu: Any) -> Any:
     from megatron_rl_patches.shared_prefix import plan_shared_prefix, shared_prefix_params
 
-    share = route == SHARED
-    return shared_prefix_params(plan_shared_prefix(tokens, cu, min_shared=1 if share else tokens.numel() + 1))
+    if route == UNSHARED:
+        return shared_prefix_params(plan_shared_prefix(tokens, cu, min_shared=tokens.numel() + 1))
+    return shared_prefix_params(plan_shared_prefix(tokens, cu, levels=1 if route == ONE_LEVEL else None))
 
 
 def one_pass(model: Any, batch: Any, params: Any, train: bool) -> tuple[Any, tuple[float, float], int]:
@@ -119,14 +166,14 @@ def measure(plan: dict) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []
-    cases = CaseLines(len(plan["cases"]))
     megatron_rl_patches.apply(only="gpt_output_processor")  # the output_processor keyword before megatron-core 0.18
     try:
         with megatron_world("cpu"):
             model = prepare_shared_prefix(build_model(plan))
-            for prompt, response, group in plan["cases"]:
-                batch = micro_batch(prompt, response, group, plan["vocab"])
-                params = {route: params_of(route, batch[0], batch[2]) for route in (UNSHARED, SHARED)}
+            every = list(cases_of(plan, plan.get("shape", "grpo")))
+            cases = CaseLines(len(every))
+            for case, batch, routes in every:
+                params = {route: params_of(route, batch[0], batch[2]) for route in routes}
                 times: dict[str, dict[str, list[tuple[float, float]]]] = {r: {"forward": [], "train": []}
                                                                           for r in params}
                 saved: dict[str, int] = {}
@@ -139,7 +186,6 @@ def measure(plan: dict) -> list[dict]:
                         if round_index:  # the first round warms up
                             times[route]["forward"].append(forward)
                             times[route]["train"].append(train)
-                case = f"P={prompt}, R={response}, G={group}"
                 for route in params:
                     own, plain = times[route], times[UNSHARED]
                     ratio = {kind: statistics.median(a[1] / b[1] for a, b in zip(own[kind], plain[kind]))
@@ -159,8 +205,9 @@ def measure(plan: dict) -> list[dict]:
                         "activations_vs_unshared": saved[route] / saved[UNSHARED],
                         "max_abs_diff": float((log_probs[route] - log_probs[UNSHARED]).abs().max()),
                     })
+                unshared = next(row for row in rows if row["case"] == case and row["packing"] == UNSHARED)
                 cases.ended(f"{case}: the training step {rows[-1]['train_vs_unshared']:.2f}x the unshared one's "
-                            f"CPU time, {rows[-1]['tokens']} tokens for {rows[-2]['tokens']}")
+                            f"CPU time, {rows[-1]['tokens']} tokens for {unshared['tokens']}")
     finally:
         megatron_rl_patches.revert()
         torch.set_num_threads(threads)
@@ -179,8 +226,17 @@ BARS = Bars(group="case", series="packing",
             titles=("forward time / unshared", "training step time / unshared", "activations kept / unshared"))
 
 
-def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
-    """Print the table; write shared_prefix.csv / .md / .png into `out_dir` when given."""
+def run(quick: bool = False, out_dir: str | None = None, shape: str = "grpo") -> list[dict]:
+    """Print the table; write shared_prefix.csv / .md / .png (`shape` multi-turn:
+    shared_prefix_multi_turn.*) into `out_dir` when given."""
+    if shape not in SHAPES:
+        raise ValueError(f"bench shared-prefix: shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if shape == "multi-turn":
+        plan = MULTI_TURN_QUICK if quick else MULTI_TURN
+        title = (f"{described(plan)}\nmulti-turn: system {plan['system']}, per turn user {plan['user']} + assistant "
+                 f"{plan['assistant']}, branches per turn {plan['branches']}")
+        return run_benchmark("shared_prefix_multi_turn", lambda: measure(plan), "case", COLUMNS, title, BARS, quick,
+                             out_dir)
     plan = QUICK if quick else FULL
-    return run_benchmark("shared_prefix", lambda: measure(plan), "case", COLUMNS,
-                         described(plan), BARS, quick, out_dir)
+    return run_benchmark("shared_prefix", lambda: measure(plan), "case", COLUMNS, described(plan), BARS, quick,
+                         out_dir)

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"bench fused: run one part, {' or '.join(FUSED_PARTS)} "
                              "(log-prob + entropy, the top-k OPD step with 1 and 2 teachers, or the default "
                              "against the invariant mode at V = 151,936); bench logprobs: invariant")
+    parser.add_argument("--shape", choices=("grpo", "multi-turn"), default=None,
+                        help="bench shared-prefix: GRPO groups (default) or an agent's multi-turn trace (4 turns "
+                             "branching 4 x 4, and one sample per turn) against the one-level plan")
     ops = parser.add_argument_group("bench ops")
     ops.add_argument("--baseline", metavar="REV", help="bench ops: the git revision to compare with (e.g. main)")
     ops.add_argument("--invariant", action="store_true",
@@ -124,6 +127,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--only {args.only} selects a part of `bench fused`"
                          + (" or `bench logprobs`" if args.only in LOGPROBS_PARTS else "")
                          + f"; run `bench fused --only {args.only}`")
+    if args.shape is not None and args.which != "shared-prefix":
+        raise UsageError(f"--shape belongs to `bench shared-prefix`; `bench {args.which}` has one shape")
     if args.slow and args.which != "gpu":
         raise UsageError(f"--slow belongs to `bench gpu`; `bench {args.which}` runs every row it has")
     if args.which == "ops":
@@ -159,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     failed = []
     for name in names:
         options = {"only": args.only} if args.only is not None else {}
+        if args.shape is not None:
+            options["shape"] = args.shape
         took = (f"about {DURATIONS[name]} on an idle 2-core CPU; --quick takes seconds" if not args.quick
                 else "about 30 s: a spawned world or a model" if name in NOT_IN_QUICK_ALL else "seconds")
         print(f"bench {name}: running ({took}); a line per case as it ends, and one at least every "

@@ -71,3 +71,25 @@ def test_a_failed_measurement_is_one_row_saying_why_and_no_plot(tmp_path, monkey
     assert list(csv.DictReader(open(tmp_path / "shared_prefix.csv", newline="")))[0]["note"] == \
         "error: no megatron-core here"
     assert not (tmp_path / "shared_prefix.png").exists()
+
+
+def test_the_multi_turn_shape_measures_the_tree_against_the_one_level_plan(tmp_path):
+    pytest.importorskip("megatron.core")
+    from megatron_rl_patches.apps.bench.shared_prefix import MULTI_TURN_QUICK, ONE_LEVEL, SHARED, UNSHARED
+    from megatron_rl_patches.apps.cli import main
+
+    assert main(["bench", "shared-prefix", "--quick", "--shape", "multi-turn", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "shared_prefix_multi_turn.csv", newline="")))
+    assert [row["route"] for row in rows] == [UNSHARED, ONE_LEVEL, SHARED] * 2
+    system, user, answer = (MULTI_TURN_QUICK[key] for key in ("system", "user", "assistant"))
+    turn = user + answer
+    branching, per_turn = rows[:3], rows[3:]
+    # 4 final trajectories; one level: all 4 share the system prompt, turn 1 and the second user message;
+    # the tree: then each of 2 second answers and its user message, then 4 third answers and turn 4
+    shared = system + turn + user
+    assert [int(row["tokens"]) for row in branching] == [4 * (system + 4 * turn), shared + 4 * (3 * turn - user),
+                                                         shared + 2 * turn + 4 * (answer + turn)]
+    assert [int(row["tokens"]) for row in per_turn] == [sum(system + k * turn for k in range(1, 5)),
+                                                        system + turn + 3 * turn + 2 * turn + turn, system + 4 * turn]
+    assert all(float(row["max_abs_diff"]) < 1e-5 for row in rows)
+    assert main(["bench", "fused", "--quick", "--shape", "multi-turn"]) == 2
