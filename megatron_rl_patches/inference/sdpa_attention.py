@@ -29,6 +29,7 @@ class SDPACoreAttention(torch.nn.Module):
         if getattr(config, "context_parallel_size", 1) > 1:
             raise ValueError("SDPACoreAttention serves context-parallel size 1 only; use Transformer Engine's "
                              "TEDotProductAttention for context parallelism")
+        self.config, self.layer_number = config, layer_number  # as megatron-core's cores keep them (read by seams)
         self.softmax_scale = softmax_scale
         self.dropout = float(config.attention_dropout if attention_dropout is None else attention_dropout)
 
