@@ -86,7 +86,7 @@ WITHOUT_CP = per_token("only with context parallelism, which is refused")
 WITHOUT_MLA = per_token("only with multi_latent_attention, which is refused")
 WITHOUT_VARIANT = per_token("the widths of a gated delta net (per token) or DSA's, refused with its variant")
 WITHOUT_MTP = per_token("only with mtp_num_layers, which is refused")
-WITHOUT_WINDOW = per_token("only with window_size, which is refused")
+WITHOUT_WINDOW = per_token("which layers take window_size: read per layer by the package's attention")
 WITHOUT_DROPPING = per_token("only with moe_expert_capacity_factor, which is refused")
 WITHOUT_MRoPE = per_token("only with position_embedding_type 'mrope', which is refused")
 WITHOUT_GRAPHS = per_token("only with CUDA graphs, which are refused")
@@ -155,12 +155,16 @@ FIELDS: dict[str, Known] = {
         what="multi-token prediction at this depth or layout",
         why="its block runs on each sample's own tokens, tested at depths 1 and 2 on one tensor- and pipeline-"
             "parallel rank; run it there or do not share this model's prefixes"),
-    "softmax_type": only("vanilla", what="attention sinks",
-                         why="the package's attention has no sink: every logit would differ; use softmax_type "
-                             "'vanilla' or do not share this model's prefixes"),
-    "window_size": only(None, what="sliding-window attention",
-                        why="the package's attention lets a response see all of its prefix; leave window_size None "
-                            "or do not share this model's prefixes"),
+    "softmax_type": only("vanilla", "off-by-one", "learnable", what="this softmax",
+                         why="the package's attention adds megatron-core's sink (softmax_offset) for off-by-one and "
+                             "learnable sinks only; use one of them or do not share this model's prefixes"),
+    "window_size": checked(
+        "None; (w, 0) with w >= 0 or -1: earlier positions of the token's own sample (tested on megatron-core's "
+        "local attention)",
+        lambda value, s, training: value is None or (isinstance(value, (list, tuple)) and len(value) == 2
+                                                     and int(value[1]) == 0 and int(value[0]) >= -1),
+        what="a sliding window that sees later tokens",
+        why="a causal model's window looks back only; set window_size=(w, 0) or None"),
     "experimental_attention_variant": checked(
         "None; 'gated_delta_net' at PP = 1 (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP)",
         lambda value, s, training: value is None or (value == "gated_delta_net" and _one(s, "pipeline")),

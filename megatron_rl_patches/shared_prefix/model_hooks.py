@@ -228,10 +228,15 @@ def layer_window(config: Any, layer_number: int) -> int | None:
 
 def attention_sink(core: Any) -> torch.Tensor | None:
     """The core's sink logits per head (`softmax_offset`: zeros off-by-one, a parameter learnable), or None."""
-    if getattr(getattr(core, "config", None), "softmax_type", "vanilla") == "vanilla":
+    kind = getattr(getattr(core, "config", None), "softmax_type", "vanilla")
+    if kind == "vanilla":
         return None
     offset = getattr(core, "softmax_offset", None)
-    return offset if isinstance(offset, torch.Tensor) else None
+    if not isinstance(offset, torch.Tensor):  # a core that keeps its sink elsewhere: never attend without it
+        raise ValueError(f"shared prefix: softmax_type={kind!r} but the core attention "
+                         f"{type(core).__mro__[1].__name__} holds no softmax_offset tensor the plan can read; "
+                         "run this model without a sharing plan")
+    return offset
 
 
 class PlannedCore:

@@ -194,7 +194,8 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     local = torch.arange(segments.numel()) - starts_t[segments]
     positions = positions_t[segments] + local
     source = sources_t[segments] + local
-    tokens = ids[source.clamp(min=0)] if source.numel() else torch.empty(0, dtype=torch.int64)
+    # padding rows read any id here (set below): a padding longer than the stream reads past its end otherwise
+    tokens = ids[source.clamp(0, ids.numel() - 1)] if source.numel() else torch.empty(0, dtype=torch.int64)
     if padding:
         tokens[physical:] = pad_id
     logical_rows = torch.empty(ids.numel(), dtype=torch.int64)

@@ -31,8 +31,8 @@ REFUSED = {
     "virtual_pipeline_model_parallel_size": (2, {}, False),
     "multi_latent_attention": (True, {"rotary_interleaved": True}, False),
     "mtp_num_layers": (3, {}, False),
-    "softmax_type": ("off-by-one", {}, False),
-    "window_size": ((8, 0), {}, False),
+    "softmax_type": ("quadratic", {}, False),
+    "window_size": ((8, 4), {}, False),
     "experimental_attention_variant": ("dsa", {}, False),
     "fused_single_qkv_rope": (True, {}, False),
     "qk_clip": (True, {}, False),
@@ -63,7 +63,8 @@ REFUSED = {
 ALLOWED = {
     "pipeline_model_parallel_size": (2, {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"},
                                      True),  # planned in test_layouts.py
-    "softmax_type": ("vanilla", {}, True),
+    "softmax_type": ("learnable", {}, True),  # test_windows_sinks.py
+    "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),
     "experimental_attention_variant": ("gated_delta_net", {}, True),  # test_gated_delta_net.py
     "multi_latent_attention": (True, {}, True),  # tests/shared_prefix/test_latent_attention.py
@@ -242,8 +243,8 @@ def test_moe_expert_bias_at_update_rate_0_runs_exact_in_training(megatron_cpu, m
         biases.append(get_updated_expert_bias(counts[-1], stacked, config.moe_router_bias_update_rate))
     (want, want_grads), (got, grads) = runs
     assert relative_error(got, want) < TOL and grad_error(grads, want_grads) < GRAD_TOL
-    assert not torch.equal(counts[0], counts[1])  # the counts differ (why a moving bias is refused) ...
-    assert torch.equal(biases[0], biases[1])  # ... and at rate 0 the updated bias is the same
+    assert torch.equal(counts[0], counts[1])  # the router's statistics on each sample's rows (moe_statistics)
+    assert torch.equal(biases[0], biases[1])  # and at rate 0 the updated bias is the same
 
 
 def _refusal(model, training: bool = False) -> str:
@@ -254,21 +255,23 @@ def _refusal(model, training: bool = False) -> str:
     return str(caught.value)
 
 
-def test_real_models_with_windows_or_sinks_are_refused_by_name(megatron_cpu):
+def test_real_models_with_windows_or_sinks_are_accepted_and_a_window_looking_ahead_refused(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import shared_prefix_reason
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
 
-    cases = [(dict(window_size=(8, 0), window_attn_skip_freq=2), "sliding-window attention (window_size=(8, 0))"),
-             (dict(softmax_type="off-by-one"), "attention sinks (softmax_type='off-by-one')"),
-             (dict(softmax_type="learnable"), "attention sinks (softmax_type='learnable')")]
+    cases = [dict(window_size=(8, 0), window_attn_skip_freq=2), dict(softmax_type="off-by-one"),
+             dict(softmax_type="learnable")]  # each exact: tests/shared_prefix/test_windows_sinks.py
     built = 0
-    for overrides, words in cases:
+    for overrides in cases:
         try:
             model = build_packed_gpt(seq_length=256, config=tiny_gpt_config(**overrides))
         except (TypeError, AssertionError):  # megatron-core < 0.15: no sinks, windows in Transformer Engine only
             continue
         built += 1
-        assert words in _refusal(model, training=True)
+        assert shared_prefix_reason(model, training=True) is None, overrides
+        model.config.window_size = (8, 4)
+        assert "a sliding window that sees later tokens (window_size=(8, 4))" in _refusal(model, training=True)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     assert built == 3 or "softmax_type" not in {f.name for f in dataclasses.fields(TransformerConfig)}

@@ -65,7 +65,8 @@ def test_a_micro_batch_a_plan_does_not_take_is_packed_whole_and_counted(megatron
 def test_a_model_the_plan_cannot_run_packs_each_sample_whole_with_one_warning(megatron_cpu, clean_patch_state,
                                                                                caplog, moe_router_on_cpu):
     balanced = _model(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, add_bias_linear=False,
-                      moe_token_dispatcher_type="allgather")
+                      moe_token_dispatcher_type="allgather", recompute_granularity="selective",
+                      recompute_modules=["moe"])  # its router would run outside the layer's call: refused
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         assert prefix_pass("slime's training step", [balanced], training=True, enabled=True) is None
     assert "shared prefix: slime's training step runs each sample packed whole: MoE load balancing" in caplog.text
