@@ -36,6 +36,7 @@ def _agree(got: dict, want: dict, dtype=torch.float32) -> None:
 
 
 @layouts.mark("thd")
+@layouts.mark("mtp")
 @pytest.mark.parametrize(("depth", "dtype"), CASES, ids=[f"mtp{d}-{str(t)[6:]}" for d, t in CASES])
 def test_mtp_equals_the_packed_path(megatron_cpu, depth, dtype):
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
