@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.shared_prefix.call_args import plan_in
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 MODULE = "megatron.core.ssm.gated_delta_net"  # where megatron-core defines GatedDeltaNet (0.16: ssm/)
@@ -89,8 +90,6 @@ def planned_gated_delta_net_class(cls: Any) -> type:
     def forward(self: Any, hidden_states: Any, attention_mask: Any, key_value_states: Any = None,
                 inference_context: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
                 sequence_len_offset: Any = None, *, inference_params: Any = None, **kwargs: Any) -> Any:
-        from megatron_rl_patches.shared_prefix.model_hooks import plan_in
-
         plan = plan_in(packed_seq_params)
         if plan is None:
             return cls.forward(self, hidden_states, attention_mask, key_value_states, inference_context,
