@@ -80,7 +80,7 @@ def test_the_multi_turn_shape_measures_the_tree_against_the_one_level_plan(tmp_p
 
     assert main(["bench", "shared-prefix", "--quick", "--shape", "multi-turn", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "shared_prefix_multi_turn.csv", newline="")))
-    assert [row["route"] for row in rows] == [UNSHARED, ONE_LEVEL, SHARED] * 2
+    assert [row["packing"] for row in rows] == [UNSHARED, ONE_LEVEL, SHARED] * 2
     system, user, answer = (MULTI_TURN_QUICK[key] for key in ("system", "user", "assistant"))
     turn = user + answer
     branching, per_turn = rows[:3], rows[3:]

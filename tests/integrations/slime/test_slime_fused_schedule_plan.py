@@ -67,7 +67,7 @@ def test_forward_step_routes_the_plan_by_build_schedule_plans_signature(megatron
     forget_warnings()  # each fallback says its line again
     model, batch = _model_and_batch(megatron_cpu)
     seen = []
-    step = slime_fused.fused_step(lambda it, model, **kw: seen.append(model), _plan(batch))
+    step = slime_fused.fused_forward_step(lambda it, model, **kw: seen.append(model), _plan(batch))
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         step(None, model, return_schedule_plan=True)
         step(None, model, return_schedule_plan=True)
