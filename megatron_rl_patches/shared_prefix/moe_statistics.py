@@ -38,6 +38,8 @@ import torch
 from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
+# not an argument: megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params;
+# the plan is set by the transformer layer's pre-hook for that one call and reset by a hook that always runs
 LAYER_PLAN: contextvars.ContextVar[SharedPrefixPlan | None] = contextvars.ContextVar(
     "megatron_rl_patches_shared_prefix_layer_plan", default=None)
 

@@ -11,6 +11,7 @@ token in the input's dtype: a float64 stand-in for the chunked rule (same signat
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,8 +26,6 @@ from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 def megatron_gated_delta_net_served() -> bool:
     """Whether this megatron-core's GatedDeltaNet is the one the plan's route serves (0.16's
     `megatron.core.ssm.gated_delta_net`, with its torch rule; 0.19 moved and rewrote it)."""
-    import importlib
-
     name = "megatron.core.ssm.gated_delta_net"
     try:
         module = importlib.import_module(name)

@@ -66,7 +66,7 @@ ALLOWED = {
     "softmax_type": ("learnable", {}, True),  # test_windows_sinks.py
     "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),
-    "experimental_attention_variant": ("gated_delta_net", {}, True),  # test_gated_delta_net.py
+    "experimental_attention_variant": ("gated_delta_net", {}, True),  # test_planned_gated_delta_net.py
     "multi_latent_attention": (True, {}, True),  # tests/shared_prefix/test_latent_attention.py
     "hidden_dropout": (0.1, {}, False),
     "attention_dropout": (0.1, {}, False),

@@ -25,6 +25,8 @@ from typing import Any
 from megatron_rl_patches.integrations.slime.fused_step import held_settings
 from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids
 
+# not an argument: slime's build_dp_schedule(args, config, total_lengths, ...) is handed lengths, never the
+# rollout's tokens; they are held for the one split call that computes those lengths, and reset after it
 _TOKENS: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar("slime_rollout_tokens", default=None)
 
 
