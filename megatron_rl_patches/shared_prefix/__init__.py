@@ -18,12 +18,13 @@ The output (logits, an output processor's dict, the loss) is in the logical rows
 docs/shared-prefix.md says what it saves, when it buys little and what it covers."""
 from __future__ import annotations
 
+from megatron_rl_patches import _aliases
 from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
 _LAZY = lazy_names("""
     megatron_rl_patches.shared_prefix.plan: plan_shared_prefix SharedPrefixPlan PlanStats
     megatron_rl_patches.shared_prefix.model_hooks: prepare_shared_prefix shared_prefix_params
-    megatron_rl_patches.shared_prefix.support: check_shared_prefix shared_prefix_reason
+    megatron_rl_patches.shared_prefix.refusals: check_shared_prefix shared_prefix_reason
     megatron_rl_patches.shared_prefix.attention: shared_prefix_attention
     megatron_rl_patches.shared_prefix.micro_batches: shared_prefix_micro_batches
 """)
@@ -31,6 +32,9 @@ _LAZY = lazy_names("""
 __all__ = sorted(_LAZY)
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+# `support`: the refusals' module, named for what it holds (issue 113)
+_aliases.install(__name__, {"support": "megatron_rl_patches.shared_prefix.refusals"})
 
 
 def __dir__() -> list[str]:

@@ -26,10 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.model.attention_layout import heads_first, kv_heads_repeated, sequence_first, with_batch
 from megatron_rl_patches.shared_prefix.attention_rule import Block, dense, pieces, sees
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 ROUTES = ("auto", "mask", "flex")
+WHO = "shared-prefix attention"  # what its errors are named by
 
 
 def check_route(route: Any) -> str:
@@ -45,18 +47,6 @@ def chosen_route(route: str, query: torch.Tensor) -> str:
     return "flex" if query.is_cuda and importlib.util.find_spec("torch.nn.attention.flex_attention") else "mask"
 
 
-def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.permute(1, 2, 0, 3)  # [s, b, h, d] -> [b, h, s, d]
-
-
-def _grouped(key: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key / value heads repeated to the query's (grouped-query attention), [b, h, s, d]."""
-    groups = key.size(1)
-    if groups == heads:
-        return key
-    return key.repeat_interleave(heads // groups, dim=1)
-
-
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan, *,
                             scale: float, dropout: float = 0.0, route: str = "auto", window: int | None = None,
                             sink: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,8 +55,7 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     `window`: a sliding window of that many earlier positions (each token's own) besides its own;
     `sink` [h]: a logit per head added to every row's softmax with no value (megatron-core's
     `softmax_offset`: zeros for off-by-one, a parameter for a learnable sink, which gets its gradient)."""
-    if query.dim() == 3:  # megatron-core < 0.16 squeezes the batch of any packed input: [t, h, d]
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    query, key, value = with_batch(query, key, value)  # megatron-core < 0.16 squeezes a packed batch
     rows, batch, heads = query.shape[:3]
     width = value.size(-1)  # multi-latent attention's values have a width of their own
     if rows != plan.physical_length:
@@ -87,8 +76,8 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                          "rule's mask with the sink as a column) or 'mask'")
     route = "mask" if route == "auto" and sink is not None else chosen_route(route, query)
     if route == "flex":
-        out = _flex(_heads_first(query), _heads_first(key), _heads_first(value), plan, scale, window)
-        return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
+        q, k, v = heads_first(query, key, value)
+        return sequence_first(_flex(q, k, v, plan, scale, window))
     if not rows:
         return query.new_zeros(0, batch, heads * width)
     if query.device.type == "cpu" and dropout == 0.0:
@@ -124,8 +113,8 @@ def rule_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           sink: torch.Tensor | None = None) -> torch.Tensor:
     """Each subtree under the root through scaled dot-product attention under the rule's mask (a
     sink as one more key of score 0, its logit in the mask, its value 0): [s, b, h, d]."""
-    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
-    k, v = _grouped(k, q.size(1)), _grouped(v, q.size(1))
+    q, k, v = heads_first(query, key, value)
+    k, v = kv_heads_repeated(k, q.size(1), WHO), kv_heads_repeated(v, q.size(1), WHO)
     reach, positions = plan.on(q.device, "reach"), plan.on(q.device, "positions")
     tops = (plan.segment_parents < 0).nonzero().flatten().tolist()
     parts = [q[:, :, :0]]
@@ -151,7 +140,7 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
            mask: torch.Tensor | None = None) -> tuple[Any, Any]:
     """torch's flash attention for CPU of [s, b, h, d] rows: (output [b, h, s, d], log-sum-exp [b, h, s])."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, attn_mask=mask, scale=scale)
+        *heads_first(q, k, v), 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def _logits(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -170,7 +159,7 @@ class BlockAttention(torch.autograd.Function):
         acc = torch.float32 if low else query.dtype
         out = torch.empty(rows, batch, heads, value.size(-1), dtype=acc)
         lse = torch.empty(batch, heads, rows, dtype=acc)
-        merged = _heads_first(out)
+        (merged,) = heads_first(out)
         for block in blocks:
             (first, last), (start, end) = block.rows, block.keys
             o, m = _flash(query[first:last], key[start:end], value[start:end], block.causal, scale,
@@ -202,8 +191,8 @@ class BlockAttention(torch.autograd.Function):
         low = query.dtype in (torch.float16, torch.bfloat16)
         acc = torch.float32 if low else query.dtype
         grads = [torch.zeros(t.shape, dtype=acc) for t in (query, key, value)]
-        gq, gk, gv = (_heads_first(g) for g in grads)
-        q, k, v, o, d = (_heads_first(t) for t in (query, key, value, out, grad.to(query.dtype)))
+        gq, gk, gv = heads_first(*grads)
+        q, k, v, o, d = heads_first(query, key, value, out, grad.to(query.dtype))
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         for block in blocks:
             rows, keys = slice(*block.rows), slice(*block.keys)

@@ -1,6 +1,6 @@
 """megatron-core's `GatedDeltaNet` (Qwen3.5's and Qwen3-Next's linear attention) over a shared-prefix
 plan, in training: the module's class becomes a subclass whose forward takes a plan's route and
-calls its own class otherwise (as core attention's does, model_hooks.planned_class).
+calls its own class otherwise (as core attention's does, model_hooks.shared_prefix_core_class).
 
 A gated delta net carries what a sequence has seen in two places: the recurrent state [heads, dk,
 dv] and the short convolution's window (the last kernel - 1 rows of q, k, v before it). The plan's
@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rl_patches.shared_prefix.call_args import plan_in
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 MODULE = "megatron.core.ssm.gated_delta_net"  # where megatron-core defines GatedDeltaNet (0.16: ssm/)
 
@@ -90,7 +89,7 @@ def planned_gated_delta_net_class(cls: Any) -> type:
     def forward(self: Any, hidden_states: Any, attention_mask: Any, key_value_states: Any = None,
                 inference_context: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
                 sequence_len_offset: Any = None, *, inference_params: Any = None, **kwargs: Any) -> Any:
-        plan = plan_in(packed_seq_params)
+        plan = shared_prefix_plan_of(packed_seq_params)
         if plan is None:
             return cls.forward(self, hidden_states, attention_mask, key_value_states, inference_context,
                                attention_bias, packed_seq_params, sequence_len_offset,

@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megatron_rl_patches.shared_prefix.call_args import plan_in
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 
 class PlannedLength(int):
@@ -76,12 +76,11 @@ def planned_rotary_class(cls: Any) -> type:
     """`cls` (MLA's RotaryEmbedding / YarnRotaryEmbedding) taking a plan's length."""
 
     def get_rotary_seq_len(self: Any, *args: Any, **kwargs: Any) -> Any:
-        params = kwargs.get("packed_seq_params", args[4] if len(args) > 4 else None)
-        plan = plan_in(params)
+        call = ArgumentsByName(cls.get_rotary_seq_len, args, kwargs, method=True)
+        plan = shared_prefix_plan_of(call.get("packed_seq_params"))
         if plan is None:
             return cls.get_rotary_seq_len(self, *args, **kwargs)
-        config = kwargs.get("transformer_config", args[3] if len(args) > 3 else None)
-        refused = refusal(config)
+        refused = refusal(call.get("transformer_config"))
         if refused is not None:
             raise ValueError(f"shared prefix: {refused} is not taken with a shared-prefix plan")
         return PlannedLength(plan)

@@ -28,18 +28,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.model.chunks import modules_of
+from megatron_rl_patches.model.kinds import is_attention, is_language_model
 from megatron_rl_patches.shared_prefix.attention import check_route, shared_prefix_attention
-from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
 from megatron_rl_patches.shared_prefix.gated_delta_net import is_gated_delta_net, prepare_gated_delta_net
 from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
 from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
 from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
 INSTALLED = "_megatron_rl_patches_shared_prefix"  # the mark on a prepared module
@@ -76,23 +77,9 @@ def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto") -> Any:
                          max_seqlen_kv=longest, shared_prefix=plan, route=check_route(route))
 
 
-def modules_of(model: Any) -> Iterator[torch.nn.Module]:
-    """Every module of a model, a list of model chunks or wrappers around them."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    for chunk in chunks:
-        if not isinstance(chunk, torch.nn.Module):
-            raise TypeError(f"prepare_shared_prefix: expected megatron-core model chunks, got {type(chunk).__name__}")
-        yield from chunk.modules()
-
-
-def is_language_model(module: Any) -> bool:
-    """GPTModel / HybridModel (and their kin): an embedding stage flag, a decoder, a vocabulary."""
-    return all(hasattr(module, name) for name in ("decoder", "pre_process", "post_process", "vocab_size"))
-
-
-def is_attention(module: Any) -> bool:
-    """An attention layer: megatron-core's `Attention` (self-attention, the gated kind too)."""
-    return hasattr(module, "core_attention") and hasattr(module, "linear_proj")
+# the per-model seams a module of its kind takes (each kind's module prepares it)
+SEAMS = ((is_moe_layer, prepare_moe_layer), (is_mtp_block, prepare_mtp_block),
+         (is_gated_delta_net, prepare_gated_delta_net))
 
 
 def prepare_shared_prefix(model: Any) -> Any:
@@ -100,7 +87,7 @@ def prepare_shared_prefix(model: Any) -> Any:
     once; returns `model`. A call whose `packed_seq_params` holds no plan runs as before."""
     found = False
     module: Any
-    for module in list(modules_of(model)):
+    for module in list(modules_of(model, "prepare_shared_prefix")):
         if getattr(module, INSTALLED, False):
             found = found or is_language_model(module)
             continue
@@ -112,20 +99,16 @@ def prepare_shared_prefix(model: Any) -> Any:
         elif is_attention(module):
             module.register_forward_pre_hook(rotary_at_positions, with_kwargs=True)
             core: Any = module.core_attention
-            if not isinstance(core, PlannedCore):
-                core.__class__ = planned_class(core.__class__)
+            if not isinstance(core, SharedPrefixCore):
+                core.__class__ = shared_prefix_core_class(core.__class__)
             if is_latent_attention(module):
                 prepare_latent_attention(module)
             setattr(module, INSTALLED, True)
-        elif is_moe_layer(module):
-            prepare_moe_layer(module)
-            setattr(module, INSTALLED, True)
-        elif is_mtp_block(module):
-            prepare_mtp_block(module)
-            setattr(module, INSTALLED, True)
-        elif is_gated_delta_net(module):
-            prepare_gated_delta_net(module)
-            setattr(module, INSTALLED, True)
+        else:
+            prepare = next((prepare for kind, prepare in SEAMS if kind(module)), None)
+            if prepare is not None:
+                prepare(module)
+                setattr(module, INSTALLED, True)
     if not found:
         raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")
     return model
@@ -134,8 +117,8 @@ def prepare_shared_prefix(model: Any) -> Any:
 def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of the language model: the logical ids -> the plan's physical ids and
     positions (a stage without the embedding takes the previous stage's physical rows as they come)."""
-    call = Call(module, args, kwargs)
-    plan = plan_in(call.get("packed_seq_params"))
+    call = ArgumentsByName.of_forward(module, args, kwargs)
+    plan = shared_prefix_plan_of(call.get("packed_seq_params"))
     if plan is None:
         return None
     if module.pre_process and call.get("decoder_input") is None:
@@ -164,8 +147,8 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of an attention layer: the rotary table at each physical row's position."""
-    call = Call(module, args, kwargs)
-    plan = plan_in(call.get("packed_seq_params"))
+    call = ArgumentsByName.of_forward(module, args, kwargs)
+    plan = shared_prefix_plan_of(call.get("packed_seq_params"))
     table = call.get("rotary_pos_emb")
     if plan is None or table is None:
         return None
@@ -186,7 +169,7 @@ def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, 
 def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """Forward hook of the decoder: on the last pipeline stage, its physical rows read at each
     logical row (under sequence parallelism: gathered, read, scattered back)."""
-    plan = plan_in(kwargs.get("packed_seq_params"))
+    plan = shared_prefix_plan_of(kwargs.get("packed_seq_params"))
     if plan is None or not getattr(module, "post_process", True):
         return None
     if not isinstance(output, torch.Tensor):
@@ -239,18 +222,18 @@ def attention_sink(core: Any) -> torch.Tensor | None:
     return offset
 
 
-class PlannedCore:
-    """The mark of a core attention whose class `planned_class` made."""
+class SharedPrefixCore:
+    """The mark of a core attention whose class `shared_prefix_core_class` made."""
 
 
 @functools.cache
-def planned_class(cls: Any) -> type:
+def shared_prefix_core_class(cls: Any) -> type:
     """`cls` (a core attention class) whose forward takes a plan's route: the package's attention
     over the plan; any other call: `cls.forward` as it is."""
 
     def forward(self: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         params: Any = kwargs.get("packed_seq_params")
-        plan = plan_in(params)
+        plan = shared_prefix_plan_of(params)
         if plan is None:
             return cls.forward(self, query, key, value, attention_mask, *args, **kwargs)
         if kwargs.get("attention_bias") is not None:
@@ -264,5 +247,5 @@ def planned_class(cls: Any) -> type:
                                        window=layer_window(config, getattr(self, "layer_number", 1)),
                                        sink=attention_sink(self))
 
-    return type(f"SharedPrefix{cls.__name__}", (cls, PlannedCore), {"forward": forward, "__module__": cls.__module__,
-                                                                      "__doc__": cls.__doc__})
+    return type(f"SharedPrefix{cls.__name__}", (cls, SharedPrefixCore),
+                {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 # not an argument: megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params;
 # the plan is set by the transformer layer's pre-hook for that one call and reset by a hook that always runs
@@ -75,7 +75,7 @@ def prepare_moe_layer(layer: Any) -> None:
 
 
 def plan_for_the_call(layer: Any, args: tuple, kwargs: dict) -> None:
-    plan = plan_in(Call(layer, args, kwargs).get("packed_seq_params"))
+    plan = shared_prefix_plan_of(ArgumentsByName.of_forward(layer, args, kwargs).get("packed_seq_params"))
     if plan is not None and layer.training and counts_statistics(layer.mlp.router):
         if getattr(layer, "recompute_mlp", False) or getattr(layer.mlp, "moe_layer_recompute", False):
             raise ValueError("shared prefix: MoE routing statistics in training with the MLP / MoE module "

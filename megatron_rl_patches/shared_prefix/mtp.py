@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.shared_prefix.call_args import Call, plan_in
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 ROLL_MARK = "_megatron_rl_patches_shared_prefix_roll"
 
@@ -64,8 +64,8 @@ def logical_params(plan: SharedPrefixPlan) -> Any:
 def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of the MTP block: the packed ids, positions and `thd` params of the plan's
     micro-batch (the decoder's states arrive at the logical rows already)."""
-    call = Call(module, args, kwargs)
-    plan = plan_in(call.get("packed_seq_params"))
+    call = ArgumentsByName.of_forward(module, args, kwargs)
+    plan = shared_prefix_plan_of(call.get("packed_seq_params"))
     if plan is None:
         return None
     hidden = call.get("hidden_states")
@@ -91,16 +91,14 @@ def install_label_roll() -> None:
 
     @functools.wraps(original)
     def logical(*args: Any, **kwargs: Any) -> Any:
-        params = kwargs.get("packed_seq_params", args[4] if name == "roll_tensor" and len(args) > 4 else None)
-        plan = plan_in(params)
+        call = ArgumentsByName(original, args, kwargs)
+        plan = shared_prefix_plan_of(call.get("packed_seq_params"))
         if plan is not None:
-            if "packed_seq_params" not in kwargs:
-                args = (*args[:4], logical_params(plan), *args[5:])
-            else:
-                kwargs = {**kwargs, "packed_seq_params": logical_params(plan)}
-            ids = kwargs.get("input_ids")
+            call.set("packed_seq_params", logical_params(plan))
+            ids = call.get("input_ids")
             if isinstance(ids, torch.Tensor):
-                kwargs["input_ids"] = plan.on(ids.device, "logical_tokens")[None]
+                call.set("input_ids", plan.on(ids.device, "logical_tokens")[None])
+            args, kwargs = call.done()
         return original(*args, **kwargs)
 
     setattr(logical, ROLL_MARK, True)

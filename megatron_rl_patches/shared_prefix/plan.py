@@ -10,7 +10,8 @@ every sample holding it; a segment sees its ancestors and itself causally, nothi
 (`segments` / `reach`, the one rule of `attention_rule`). Each physical row keeps its position in
 its own sample (`positions`), and every logical row has the physical row that computes it
 (`logical_rows`): a branch point's last row predicts each child's first token, one row for several
-targets. The plan is data: it travels with its micro-batch as an argument (`params.plan_params`)."""
+targets. The plan is data: it travels with its micro-batch as an argument, in the `packed_seq_params`
+megatron-core hands down every call (`shared_prefix_plan_of` reads it back there)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -217,3 +218,9 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
                             segment_starts=starts_t, segment_parents=parents, segment_depths=depths,
                             logical_rows=logical_rows, logical_tokens=ids, groups=groups, stats=stats,
                             padding_rows=padding)
+
+
+def shared_prefix_plan_of(packed_seq_params: Any) -> SharedPrefixPlan | None:
+    """The plan a `packed_seq_params` carries, or None (ordinary packing, or none)."""
+    plan = getattr(packed_seq_params, "shared_prefix", None)
+    return plan if isinstance(plan, SharedPrefixPlan) else None

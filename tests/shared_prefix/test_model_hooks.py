@@ -171,7 +171,7 @@ REFUSALS = {
 def test_what_the_plan_cannot_run_is_refused_by_name(overrides, training, message):
     from types import SimpleNamespace
 
-    from megatron_rl_patches.shared_prefix.support import config_reason
+    from megatron_rl_patches.shared_prefix.refusals import config_reason
 
     config = SimpleNamespace(**{"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0, **overrides})
     assert message in config_reason(config, training)

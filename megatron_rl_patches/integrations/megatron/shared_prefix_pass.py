@@ -21,7 +21,7 @@ from megatron_rl_patches.shared_prefix.model_hooks import (
     shared_prefix_params,
 )
 from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
-from megatron_rl_patches.shared_prefix.support import shared_prefix_reason
+from megatron_rl_patches.shared_prefix.refusals import shared_prefix_reason
 
 logger = logging.getLogger("megatron_rl_patches")
 OFF = ("shared prefix: {what} runs each sample packed whole: {reason} (" + SHARED_PREFIX + "=0 switches the plan "

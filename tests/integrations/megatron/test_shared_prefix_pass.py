@@ -12,7 +12,7 @@ import torch
 from kit.shared_prefix import grpo_batch, trie_size
 
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
-from megatron_rl_patches.shared_prefix.model_hooks import plan_in
+from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 
 pytestmark = pytest.mark.megatron
 
@@ -32,7 +32,7 @@ def test_the_pass_plans_each_micro_batch_and_sums_its_figures(megatron_cpu, capl
     for seed in range(2):
         batch = grpo_batch(seed=seed)
         params = planned.params(batch.tokens, batch.thd_params(), batch.samples)
-        assert plan_in(params) is not None
+        assert shared_prefix_plan_of(params) is not None
     assert planned.figures["logical_tokens"] == 2 * sum(map(len, grpo_batch().sequences))
     physical = sum(trie_size(grpo_batch(seed=seed).sequences) for seed in range(2))  # each leading run once
     assert physical <= 2 * (40 + 5 + 9 + 3 + 12) and planned.figures["physical_tokens"] == physical

@@ -23,7 +23,7 @@ from megatron_rl_patches.model.kinds import is_attention, is_language_model
 from megatron_rl_patches.ops.agreement import gathered_objects, world
 from megatron_rl_patches.shared_prefix.gated_delta_net import PlannedGatedDeltaNet
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
-from megatron_rl_patches.shared_prefix.model_hooks import PlannedCore
+from megatron_rl_patches.shared_prefix.model_hooks import SharedPrefixCore
 
 PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params on, unread, or the package prepares it
     "megatron.core.models.gpt.gpt_model.GPTModel",
@@ -143,7 +143,7 @@ def module_reason(path: str, module: Any) -> str | None:
     """Why the plan cannot run a model holding `module` (at `path`), or None."""
     cls: Any = type(module)
     # a core or a gated delta net the package already prepared: the class it found
-    own: Any = cls.__mro__[1] if isinstance(module, (PlannedCore, PlannedGatedDeltaNet)) else cls
+    own: Any = cls.__mro__[1] if isinstance(module, (SharedPrefixCore, PlannedGatedDeltaNet)) else cls
     for kind, reason in RECURRENT.items():
         if kind in cls.__name__ and _forward_owner(own) not in RECURRENT_SERVED:
             return f"{reason} ({_qualified(cls)} at {path or 'the model'})"

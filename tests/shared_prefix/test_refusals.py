@@ -1,4 +1,4 @@
-"""What a shared-prefix plan runs: only what it knows exact (`support.py`, the table of
+"""What a shared-prefix plan runs: only what it knows exact (`refusals.py`, the table of
 `known_config.FIELDS`). Every field of the installed megatron-core's TransformerConfig is in the
 table; each checked field flipped from its default on a real tiny config is refused by name (field =
 value) or, where the table allows the value, runs exact against the same samples packed whole; a
@@ -97,7 +97,7 @@ def _config(field: str, value, overrides: dict):
 
 
 def _reasons(field: str, value, overrides: dict, training: bool) -> list[str]:
-    from megatron_rl_patches.shared_prefix.support import config_reasons
+    from megatron_rl_patches.shared_prefix.refusals import config_reasons
 
     embedding = value if field == "position_embedding_type" else "rope"
     return config_reasons(_config(field, value, overrides), training, embedding)
@@ -150,7 +150,7 @@ def test_a_value_the_table_allows_is_not_refused(field, value, overrides, traini
 def test_a_field_the_table_does_not_know_runs_only_at_its_default():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_rl_patches.shared_prefix.support import config_reasons
+    from megatron_rl_patches.shared_prefix.refusals import config_reasons
 
     @dataclasses.dataclass
     class NewerConfig(TransformerConfig):  # a field a newer megatron-core might add
