@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from typing import Any, cast
 
 from megatron_rl_patches.model.chunks import as_chunks, modules_of
@@ -23,6 +24,7 @@ from megatron_rl_patches.model.kinds import is_attention, is_language_model
 from megatron_rl_patches.ops.agreement import gathered_objects, world
 from megatron_rl_patches.shared_prefix.gated_delta_net import PlannedGatedDeltaNet
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
+from megatron_rl_patches.shared_prefix.mla import is_latent_attention
 from megatron_rl_patches.shared_prefix.model_hooks import SharedPrefixCore
 
 PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params on, unread, or the package prepares it
@@ -139,9 +141,24 @@ def config_reason(config: Any, training: bool) -> str | None:
     return "; ".join(config_reasons(config, training)) or None
 
 
+@functools.cache
+def _old_megatron_core() -> str | None:
+    """megatron-core's version where it is older than 0.16 (its multi-latent attention fails inside its own
+    rotary step on packed input, checked on 0.13.1), else None."""
+    try:
+        from megatron.core.package_info import __version__  # lazy: optional dependency megatron-core
+    except ImportError:
+        return None
+    found = re.match(r"(\d+)\.(\d+)", str(__version__))
+    return str(__version__) if found and (int(found[1]), int(found[2])) < (0, 16) else None
+
+
 def module_reason(path: str, module: Any) -> str | None:
     """Why the plan cannot run a model holding `module` (at `path`), or None."""
     cls: Any = type(module)
+    if is_latent_attention(module) and _old_megatron_core():
+        return (f"multi-latent attention on megatron-core {_old_megatron_core()} ({_qualified(cls)} at {path}): "
+                "tested exact on 0.16 and later; upgrade megatron-core or do not share this model's prefixes")
     # a core or a gated delta net the package already prepared: the class it found
     own: Any = cls.__mro__[1] if isinstance(module, (SharedPrefixCore, PlannedGatedDeltaNet)) else cls
     for kind, reason in RECURRENT.items():
