@@ -4,15 +4,12 @@ its Prometheus text, one GRPO group of G samples sharing exactly its P prompt id
 in words that hold at none and at all, and a server that does not answer named in one line."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from kit.examples import load_example
 
 pytestmark = pytest.mark.reader_facing  # main and newest lanes
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_teacher_groups.py"
 METRICS = """# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.
 # TYPE vllm:prompt_tokens_by_source_total counter
 vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 288.0
@@ -23,10 +20,7 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 960.0
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("serve_teacher_groups", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("serve_teacher_groups")
 
 
 def test_the_computed_prompt_tokens_are_read_from_vllms_counter(example):

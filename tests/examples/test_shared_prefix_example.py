@@ -6,23 +6,17 @@ in process: the saving said in words that hold when nothing is saved, and a budg
 sample refused by name."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from kit.examples import load_example
 
 pytestmark = [pytest.mark.megatron, pytest.mark.reader_facing]  # main and newest lanes
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "shared_prefix_cpu.py"
 
 
 @pytest.fixture(scope="module")
 def example():
     pytest.importorskip("megatron.core")
-    spec = importlib.util.spec_from_file_location("shared_prefix_cpu", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("shared_prefix_cpu")
 
 
 def test_the_saving_is_said_in_words_that_hold_when_nothing_is_saved(example):

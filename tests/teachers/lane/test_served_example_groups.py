@@ -6,21 +6,15 @@ own `/metrics`, are P + G·R = 288 on serve-teacher and G·(P + R) = 960 on the 
 sample scored (R rows each), and the lines say so. Cheap: three groups of one example, in process."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from kit.examples import load_example
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "serve_teacher_groups.py"
 P, R, G = 96, 24, 8
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("serve_teacher_groups", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("serve_teacher_groups")
 
 
 def test_serve_teacher_computes_each_groups_prompt_once_and_the_example_says_so(example, ours, capsys):
