@@ -108,6 +108,12 @@ def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> Pref
     if reason is not None:
         warn_once(OFF.format(what=what, reason=reason))
         return None
+    return planned_pass(what, model)
+
+
+def planned_pass(what: str, model: Any) -> PrefixPass:
+    """The shared-prefix packing of the pass `what` over `model` (its chunks), prepared: for a host
+    that decided at its door, agreed over every rank, that the model runs a plan (`prefix_pass`)."""
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     prepare_shared_prefix(model)
