@@ -222,9 +222,10 @@ def opd_selection_problems(environment: dict[str, Any], fates: dict[str, str | N
 
 # where MEGATRON_RL_PATCHES_SHARED_PREFIX=1 takes effect, and where it does not (docs/shared-prefix.md)
 SHARED_PREFIX_ON = ("on: slime's passes (training, old and reference log-probs, in-process teachers, the live "
-                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused; a pass whose "
-                    "model it cannot run says why once and packs each sample whole; verl's and NeMo-RL's passes pack "
-                    "each sample whole (docs/shared-prefix.md)")
+                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused, NeMo-RL's "
+                    "(training, log-probs, reference, teacher top-k) through patch nemo_rl_shared_prefix; a pass "
+                    "whose model it cannot run says why once and packs each sample whole; verl's passes pack each "
+                    "sample whole (docs/shared-prefix.md)")
 
 
 def shared_prefix_statement(environment: dict[str, Any]) -> str:
