@@ -24,10 +24,10 @@ def test_records_on_nemo_rls_forward_step_and_driver_selected_by_all_and_by_name
                                                      ("nemo_rl_shared_prefix", DRIVER), ("nemo_rl_shared_prefix", STEP)]
     registry = integrations.default_registry()
     assert [n for n in registry.patch_names() if n.startswith("nemo_rl")] == list(NAMES)
+    here = "megatron_rl_patches.integrations.nemo_rl"
     assert [p.wrapper for p in PATCHES] == [
-        *(f"megatron_rl_patches.integrations.nemo_rl.{m}:forward_step_wrapper" for m in ("logprobs", "topk", "topk_kd")),
-        "megatron_rl_patches.integrations.nemo_rl.shared_prefix:forward_backward_wrapper",
-        "megatron_rl_patches.integrations.nemo_rl.shared_prefix:forward_step_wrapper"]
+        *(f"{here}.{m}:forward_step_wrapper" for m in ("logprobs", "topk", "topk_kd")),
+        f"{here}.shared_prefix:forward_backward_wrapper", f"{here}.shared_prefix:forward_step_wrapper"]
 
 
 def test_shared_prefix_names_what_of_nemo_rls_call_it_does_not_plan_and_finds_its_pass_under_a_noting_iterator():
