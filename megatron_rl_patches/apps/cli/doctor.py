@@ -223,10 +223,11 @@ def opd_selection_problems(environment: dict[str, Any], fates: dict[str, str | N
 
 # where MEGATRON_RL_PATCHES_SHARED_PREFIX=1 takes effect, and where it does not (docs/shared-prefix.md)
 SHARED_PREFIX_ON = ("on: slime's passes (training, old and reference log-probs, in-process teachers, the live "
-                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused; a pass whose "
-                    "model it cannot run says why once and packs each sample whole; verl's engine passes (training, "
-                    "log-probs, reference) through patch verl_fused_logprobs, refusing by name a layout they cannot "
-                    "run; NeMo-RL's passes pack each sample whole (docs/shared-prefix.md)")
+                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused, NeMo-RL's "
+                    "(training, log-probs, reference, teacher top-k) through patch nemo_rl_shared_prefix; a pass "
+                    "whose model it cannot run says why once and packs each sample whole; verl's engine passes "
+                    "(training, log-probs, reference) through patch verl_fused_logprobs, refusing by name a layout "
+                    "they cannot run (docs/shared-prefix.md)")
 VERL_ENGINE = "verl.workers.engine.megatron"  # where verl_fused_logprobs plans verl's passes
 
 
