@@ -105,11 +105,14 @@ def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> Pref
     if not enabled:
         return None
     reason = shared_prefix_reason(model, training=training)
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+    if reason is None and parallel_state.get_context_parallel_world_size() > 1:  # the same size on every rank
+        reason = ("the host hands each context-parallel rank its share of a micro-batch, and the plan is built from "
+                  "the whole one (a hand-written loop can plan it: docs/shared-prefix.md)")
     if reason is not None:
         warn_once(OFF.format(what=what, reason=reason))
         return None
-    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
-
     prepare_shared_prefix(model)
     group = parallel_state.get_tensor_model_parallel_group()
     vocab = next((int(cast(int, m.vocab_size)) for m in modules_of(model, "prefix_pass") if is_language_model(m)), None)
