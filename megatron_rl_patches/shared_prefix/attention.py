@@ -13,6 +13,8 @@ Two routes over that rule:
   attention with the rule as its mask.
 - `flex`: FlexAttention over the whole stream with the rule as its mask function (CUDA, forward and
   backward; on CPU torch runs it without gradients).
+Under context parallelism (`share`) the query holds one rank's rows of the stream and the keys and
+values the whole stream: the same routes read at those rows (`context_parallel.pieces_of_rows`).
 Both take megatron-core's core-attention layout (query [s, b, heads, d], key / value [s, b,
 groups, d]; [s, heads, d] where megatron-core squeezed the packed batch) and return [s, b, heads * d]
 ([s, 1, heads * d])."""

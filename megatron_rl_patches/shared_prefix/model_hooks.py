@@ -20,6 +20,10 @@ Three kinds of model bring a seam of their own (each in its module): multi-laten
 rotary table (`mla`), an MoE router's statistics in training (`moe_statistics`: the plan handed to
 the router for the layer's call only) and the MTP block (`mtp`: run on the logical rows).
 
+Under context parallelism each seam reads its rank's share of the plan (`context_parallel`): the
+ids and positions of its physical rows, its attention against every rank's keys and values, its
+logical rows read from every rank's output.
+
 `prepare_shared_prefix(model)` installs them once (idempotent); a call without a plan runs exactly
 as before. `shared_prefix_params(plan)` is what a caller passes as `packed_seq_params`."""
 # lazy imports: optional dependency megatron-core

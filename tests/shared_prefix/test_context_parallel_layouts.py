@@ -22,7 +22,8 @@ def _pipeline_refusal() -> str | None:
 
     with megatron_on_cpu(pipeline_parallel=2, context_parallel=2):
         pre, post = stage_flags()
-        config = tiny_pipeline_config(2, num_layers=2, variable_seq_lengths=True, context_parallel_size=2)
+        config = tiny_pipeline_config(2, num_layers=2, variable_seq_lengths=True, context_parallel_size=2,
+                                      moe_token_dispatcher_type="alltoall")  # megatron-core refuses allgather here
         model = build_packed_gpt(seq_length=512, seed=6, config=config, pre_process=pre, post_process=post,
                                  context_parallel_layout="zigzag")
         try:
