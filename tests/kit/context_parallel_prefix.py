@@ -17,12 +17,23 @@ def context_parallel_batches():
             tree_batch(system=28, turns=((4, 8, 2), (4, 4, 3)), alone=(12,), per_turn=True, padding=4, seed=7)]
 
 
+def context_parallel_served() -> bool:
+    """Whether this megatron-core cuts a plan over context-parallel ranks (0.16 and later: its GPTModel
+    hands the rotary embedding the plan's `cp_group`); older ones refuse it by name."""
+    import re
+
+    from megatron.core.package_info import __version__
+
+    found = re.match(r"(\d+)\.(\d+)", str(__version__))
+    return not found or (int(found[1]), int(found[2])) >= (0, 16)
+
+
 def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, runs) -> dict:
     """The plan at CP = 2 (x `tensor_parallel`) against the same samples packed whole at CP = 1 (the
     same weights): every CP rank builds the plan of the whole micro-batch and passes its own share of
     the ids, cut in each (layout, batch) of `runs`; per run (log-prob error, entropy error, the
     objective summed over the CP ranks against the whole one, the gradients summed over the CP ranks
-    against the whole ones, this rank's sample rows)."""
+    against the whole ones, this rank's sample rows); empty where megatron-core < 0.16."""
     import torch
     from megatron.core import parallel_state
 
@@ -34,6 +45,8 @@ def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, ru
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
 
+    if not context_parallel_served():
+        return {}
     batches = context_parallel_batches()
     settings = dict(num_query_groups=2, tensor_model_parallel_size=tensor_parallel,
                     sequence_parallel=sequence_parallel)
@@ -93,6 +106,10 @@ def assert_exact(ranks: list[dict], layout: str) -> None:
     """Every rank's runs of `layout` (`context_parallel_exactness`'s answers): log-probs, entropy,
     the objective and every gradient (summed over the CP ranks) within tolerance, on sample rows of
     each rank's own."""
+    if not ranks[0]:
+        import pytest
+
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
     for checks in ranks:
         runs = [values for (cut, _), values in checks.items() if cut == layout]
         assert runs and all(values[-1] > 0 for values in runs)
