@@ -105,6 +105,11 @@ def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> Pref
     if not enabled:
         return None
     reason = shared_prefix_reason(model, training=training)
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+    if reason is None and parallel_state.get_context_parallel_world_size() > 1:  # the same size on every rank
+        reason = ("the host hands each context-parallel rank its share of a micro-batch, and the plan is built from "
+                  "the whole one (a hand-written loop can plan it: docs/shared-prefix.md)")
     if reason is not None:
         warn_once(OFF.format(what=what, reason=reason))
         return None

@@ -18,10 +18,11 @@ verl pads each sequence to a multiple of the tensor-parallel size inside its own
 tokens, computed as verl computes them (never read by verl, exact for every row it reads).
 
 What verl's layout cannot run planned, each refused by name: its padded `bshd` route
-(`use_remove_padding=False`), dynamic context parallelism, pipeline parallelism (verl hands the
-later stages the ids unpacked), vision-language models (packed after the vision embedding), MTP
-training (verl packs the MTP block's labels with its own roll) and router replay (routes recorded
-per packed row). verl's critic (`MegatronEngineWithValueHead`) packs each sample whole.
+(`use_remove_padding=False`), context parallelism (verl cuts the ids per rank first), dynamic context
+parallelism, pipeline parallelism (verl hands the later stages the ids unpacked), vision-language
+models (packed after the vision embedding), MTP training (verl packs the MTP block's labels with its
+own roll) and router replay (routes recorded per packed row). verl's critic
+(`MegatronEngineWithValueHead`) packs each sample whole.
 """
 # lazy imports: optional dependency verl
 from __future__ import annotations
@@ -49,6 +50,10 @@ def verl_layout_reasons(engine: Any) -> list[str]:
     if getattr(config, "dynamic_context_parallel", False):
         reasons.append("verl's dynamic context parallelism (dynamic_context_parallel=True) splits each sequence "
                        "over ranks; set it False")
+    shares = parallel_state.get_context_parallel_world_size()
+    if shares > 1:
+        reasons.append(f"context parallelism (context_parallel_size={shares}): verl hands each rank its share of the "
+                       "packed ids, and a plan is built from the whole micro-batch; set it 1")
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     if stages > 1:
         reasons.append(f"pipeline parallelism (pipeline_model_parallel_size={stages}): verl hands the later stages "
