@@ -21,6 +21,7 @@ HEAVIEST_FIRST = (
     "tests/examples/test_served_teacher_example_cli.py",
     "tests/examples/test_teacher_layout_example.py",
     "tests/shared_prefix/test_layouts.py",
+    "tests/shared_prefix/test_context_parallel_layouts.py",
     "tests/integrations/slime/test_slime_cross_teacher_ep.py",
     "tests/inference/teacher_layout/test_teacher_layout_hostile.py",
     "tests/inference/loading/hf/test_hf_load_memory.py",
