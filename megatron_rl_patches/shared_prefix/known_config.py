@@ -150,11 +150,11 @@ FIELDS: dict[str, Known] = {
             "pipeline stage; set apply_rope_fusion=False and rotary_interleaved=False, or run it without pipeline "
             "parallelism"),
     "mtp_num_layers": checked(
-        "None, 0; 1 or 2 at TP = 1 and PP = 1 (tested)",
-        lambda value, s, training: not value or (int(value) <= 2 and _one(s, "tensor") and _one(s, "pipeline")),
+        "None, 0; 1 or 2 at PP = 1 (tested at 1 rank, TP = 2, TP = 2 + SP)",
+        lambda value, s, training: not value or (int(value) <= 2 and _one(s, "pipeline")),
         what="multi-token prediction at this depth or layout",
-        why="its block runs on each sample's own tokens, tested at depths 1 and 2 on one tensor- and pipeline-"
-            "parallel rank; run it there or do not share this model's prefixes"),
+        why="its block runs on each sample's own tokens, tested at depths 1 and 2 on one pipeline stage; run it "
+            "there or do not share this model's prefixes"),
     "softmax_type": only("vanilla", "off-by-one", "learnable", what="this softmax",
                          why="the package's attention adds megatron-core's sink (softmax_offset) for off-by-one and "
                              "learnable sinks only; use one of them or do not share this model's prefixes"),

@@ -3,7 +3,7 @@ for the module), one-level GRPO batches and a multi-turn tree (each turn shared 
 it): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
 (the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
-attention at TP = 2, an MoE model at
+attention at TP = 2, MTP at TP = 2 and TP = 2 + SP (its loss per depth too), an MoE model at
 EP = 2 (the allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
 rank its own micro-batch), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
@@ -110,6 +110,47 @@ def _latent_attention_checks(sequence_parallel: bool) -> dict:
                     torch.distributed.all_reduce(summed[name], group=tp)
         out["mla"] = (relative_error(got, want), grad_error(grads, want_grads), len(grads))
     return out
+
+
+def _mtp_checks(sequence_parallel: bool) -> dict:
+    """Multi-token prediction at TP = 2 (depth 1), or TP = 2 + SP (depth 2: each depth's rows scattered
+    over the ranks), accepted by the doors on both ranks: the main loss, the MTP loss megatron-core logs
+    per depth and every gradient against the packed path."""
+    from kit.moe_statistics import constant_padding
+    from kit.mtp_gpt import build_mtp_gpt, mtp_pass, mtp_takes_packed_input
+    from kit.shared_prefix import ordinary, planned
+
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.testing.compare import grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
+
+    out: dict = {}
+    if not mtp_takes_packed_input():
+        return out
+    with megatron_on_cpu(tensor_parallel=2):
+        config = tiny_gpt_config(mtp_num_layers=2 if sequence_parallel else 1, num_query_groups=2,
+                                 tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
+        model = build_mtp_gpt(config)
+        check_shared_prefix([model], training=True)
+        batch = constant_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), padding=4)
+        want = mtp_pass(model, batch, ordinary)
+        got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
+        _sum_sequence_parallel_grads(model, got["grads"], want["grads"])
+        out["mtp"] = (relative_error(got["loss"], want["loss"]), relative_error(got["mtp"], want["mtp"]),
+                      grad_error(got["grads"], want["grads"]), len(want["mtp"]),
+                      sum(".mtp." in f".{name}" for name in want["grads"]))
+    return out
+
+
+def _sum_sequence_parallel_grads(model, *grads: dict) -> None:
+    """A rank's share of the rows: the norms' gradients summed as finalize_model_grads sums them."""
+    import torch
+    from megatron.core import parallel_state
+
+    for name, param in model.named_parameters():
+        if getattr(param, "sequence_parallel", False):
+            for summed in grads:
+                torch.distributed.all_reduce(summed[name], group=parallel_state.get_tensor_model_parallel_group())
 
 
 def _pipeline_step(route: str, pad_to: int = 1):
@@ -290,6 +331,7 @@ def _context_parallel_check() -> str | None:
 def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
             "tp2-mla": _latent_attention_checks(False), "tp2-sp-mla": _latent_attention_checks(True),
+            "tp2-mtp": _mtp_checks(False), "tp2-sp-mtp": _mtp_checks(True),
             "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(),
             "cp2": _context_parallel_check(), "gdn-tp2": _gated_delta_net_checks(False),
             "gdn-tp2-sp": _gated_delta_net_checks(True)}
@@ -333,6 +375,25 @@ def _latent_attention_exact(world, layout: str) -> None:
     for rank in world:
         lp, grads, named = rank[layout]["mla"]
         assert named > 0 and lp < TOL and grads < GRAD_TOL, (layout, lp, grads)
+
+
+@layouts.mark("tp2", "mtp")
+def test_mtp_at_tensor_parallelism_equals_the_packed_path(world):
+    _mtp_exact(world, "tp2-mtp", depth=1)
+
+
+@layouts.mark("tp2", "sp", "mtp")
+def test_mtp_under_sequence_parallelism_equals_the_packed_path(world):
+    _mtp_exact(world, "tp2-sp-mtp", depth=2)
+
+
+def _mtp_exact(world, layout: str, depth: int) -> None:
+    if "mtp" not in world[0][layout]:
+        pytest.skip("this megatron-core's MTP refuses packed sequences (its own assertion; 0.13)")
+    for rank in world:
+        loss, mtp_loss, grads, depths, mtp_grads = rank[layout]["mtp"]
+        assert depths == depth and mtp_grads > 0, (depths, mtp_grads)
+        assert loss < TOL and mtp_loss < TOL and grads < GRAD_TOL, (layout, loss, mtp_loss, grads)
 
 
 @layouts.mark("pp2")
