@@ -5,7 +5,8 @@ its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 thr
 (the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
 attention at TP = 2, MTP at TP = 2 and TP = 2 + SP (its loss per depth too), an MoE model at
 EP = 2 (the allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
-rank its own micro-batch), each against the
+rank its own micro-batch; and at TP = 2 + SP with EP = 2: aux, seq and global aux losses, z-loss, the
+counts and the bias, Sinkhorn refused by name), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
 megatron-core's GatedDeltaNet (3 of 4 layers) at TP = 2 and TP = 2 + SP against each sample run alone;
 CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
@@ -266,6 +267,55 @@ def _expert_statistics(expert_parallel: int) -> tuple:
             bool(got["bias"]) and all(torch.equal(g, w) for g, w in zip(got["bias"], want["bias"])))
 
 
+def _sequence_parallel_statistics() -> dict:
+    """MoE statistics in training at TP = 2 + SP with EP = 2 (each rank a share of the rows, 2 experts a
+    rank), accepted by the doors on both ranks: an aux loss, z-loss and expert-bias updates in one
+    model, seq_aux_loss and global_aux_loss in another, each against the packed path; Sinkhorn refused
+    by name on both ranks."""
+    import torch
+    from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+    from kit.shared_prefix import ordinary, planned
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.testing.compare import grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    layout = dict(expert_parallel=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                  expert_tensor_parallel_size=1)
+    kinds = {"aux-z-bias": {**STATISTICS["aux-loss"], **STATISTICS["z-loss"], **STATISTICS["expert-bias"]},
+             "seq-global": dict(moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss"],
+                                moe_aux_loss_coeff=[0.1, 0.05])}
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if not hasattr(TopKRouter, "reset_global_aux_loss_tracker"):  # megatron-core 0.13: one balancing type
+        kinds["seq-global"] = STATISTICS["seq-aux-loss"]
+    out: dict = {}
+    with megatron_on_cpu(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1):
+        tp = parallel_state.get_tensor_model_parallel_group()
+        batch = constant_padding(((40, (4, 9, 2)),), (6,), padding=3)  # the same on both ranks of the TP group
+        for name, statistics in kinds.items():
+            model = build_packed_gpt(seq_length=512, seed=9, config=tiny_moe_config(**layout, **statistics))
+            check_shared_prefix([model], training=True)
+            want = statistics_pass(model, batch, ordinary, tp)
+            got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2), tp)
+            _sum_sequence_parallel_grads(model, got["grads"], want["grads"])
+            out[name] = (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]),
+                         {loss: relative_error(got["losses"][loss], values) for loss, values in want["losses"].items()},
+                         all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"])) and len(want["counts"]),
+                         all(torch.equal(g, w) for g, w in zip(got["bias"], want["bias"])) and len(want["bias"]))
+        sinkhorn = build_packed_gpt(seq_length=512, seed=9, config=tiny_moe_config(
+            **layout, moe_router_load_balancing_type="sinkhorn", moe_router_topk=1))
+        try:
+            check_shared_prefix([sinkhorn], training=True)
+            out["sinkhorn"] = None
+        except ValueError as exc:
+            out["sinkhorn"] = str(exc)
+    return out
+
+
 def _gated_delta_net_checks(sequence_parallel: bool) -> dict | None:
     """megatron-core's GatedDeltaNet (3 of 4 layers) planned at TP = 2 against each sample run alone
     unpacked (its packed path is refused): every sample of an even length, as SP splits each."""
@@ -332,7 +382,7 @@ def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
             "tp2-mla": _latent_attention_checks(False), "tp2-sp-mla": _latent_attention_checks(True),
             "tp2-mtp": _mtp_checks(False), "tp2-sp-mtp": _mtp_checks(True),
-            "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(),
+            "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(), "tp2-sp-ep2": _sequence_parallel_statistics(),
             "cp2": _context_parallel_check(), "gdn-tp2": _gated_delta_net_checks(False),
             "gdn-tp2-sp": _gated_delta_net_checks(True)}
 
@@ -417,6 +467,20 @@ def test_expert_parallel_statistics_count_a_shared_token_once_per_sample(world):
     for rank in world:
         lp, grads, losses, counts, bias = rank["ep2"]["statistics"]
         assert lp < TOL and grads < GRAD_TOL and losses < TOL and counts and bias
+
+
+@layouts.mark("moe", "ep2", "tp2", "sp")
+def test_sequence_parallel_statistics_count_a_shared_token_once_per_sample(world):
+    for rank in world:
+        checks = dict(rank["tp2-sp-ep2"])
+        sinkhorn = checks.pop("sinkhorn")
+        assert "Sinkhorn's under sequence parallelism" in sinkhorn and sinkhorn == world[0]["tp2-sp-ep2"]["sinkhorn"]
+        for name, (lp, grads, losses, *_) in checks.items():
+            assert lp < TOL and grads < GRAD_TOL, (name, lp, grads)
+            assert losses and all(error < TOL for error in losses.values()), (name, losses)
+        assert set(checks["aux-z-bias"][2]) == {"load_balancing_loss", "z_loss"}
+        assert set(checks["seq-global"][2]) >= {"seq_load_balancing_loss"}  # and global's where megatron-core has it
+        assert checks["aux-z-bias"][3] == checks["aux-z-bias"][4] == 2  # both layers' counts and updated bias
 
 
 @layouts.mark("pp2")

@@ -80,8 +80,9 @@ ALLOWED_TOO = {
     "mtp_num_layers": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, True),  # and test_layouts.py
     "moe_router_load_balancing_type": ("sinkhorn", MOE, True),
     "moe_aux_loss_coeff": (0.01, MOE, True),
-    "moe_z_loss_coeff": (1e-3, MOE, True),
-    "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 1e-3}, True),
+    "moe_z_loss_coeff": (1e-3, {**MOE, "tensor_model_parallel_size": 2, "sequence_parallel": True}, True),
+    "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 1e-3, "sequence_parallel": True,
+                                             "tensor_model_parallel_size": 2}, True),  # and test_layouts.py: TP 2 + SP
 }
 
 
