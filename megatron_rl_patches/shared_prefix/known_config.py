@@ -146,13 +146,11 @@ FIELDS: dict[str, Known] = {
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),
     "multi_latent_attention": checked(
-        "False; True without fused or interleaved RoPE at PP = 1 (tested at 1 rank, TP = 2, TP = 2 + SP)",
-        lambda value, s, training: not value or (not s.get("apply_rope_fusion") and not s.get("rotary_interleaved")
-                                                 and _one(s, "pipeline")),
-        what="multi-latent attention at this layout (fused or interleaved RoPE, pipeline parallelism)",
-        why="its rotary table is read at each token's own position only on the unfused path, tested on one "
-            "pipeline stage; set apply_rope_fusion=False and rotary_interleaved=False, or run it without pipeline "
-            "parallelism"),
+        "False; True without fused or interleaved RoPE (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
+        lambda value, s, training: not value or (not s.get("apply_rope_fusion") and not s.get("rotary_interleaved")),
+        what="multi-latent attention with fused or interleaved RoPE",
+        why="its rotary table is read at each token's own position only on the unfused, non-interleaved path; set "
+            "apply_rope_fusion=False and rotary_interleaved=False"),
     "mtp_num_layers": checked(
         "None, 0; 1 or 2 at PP = 1 (tested at 1 rank, TP = 2, TP = 2 + SP)",
         lambda value, s, training: not value or (int(value) <= 2 and _one(s, "pipeline")),

@@ -67,7 +67,8 @@ ALLOWED = {
     "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),
     "experimental_attention_variant": ("gated_delta_net", {}, True),  # test_planned_gated_delta_net.py
-    "multi_latent_attention": (True, {}, True),  # tests/shared_prefix/test_latent_attention.py
+    "multi_latent_attention": (True, {"pipeline_model_parallel_size": 2, "variable_seq_lengths": True,
+                                      "moe_token_dispatcher_type": "alltoall"}, True),  # test_layouts.py at PP = 2
     "hidden_dropout": (0.1, {}, False),
     "attention_dropout": (0.1, {}, False),
     "position_embedding_type": ("none", {}, True),
