@@ -526,7 +526,8 @@ def test_sequence_parallel_statistics_count_a_shared_token_once_per_sample(world
             assert lp < TOL and grads < GRAD_TOL, (name, lp, grads)
             assert losses and all(error < TOL for error in losses.values()), (name, losses)
         assert set(checks["aux-z-bias"][2]) == {"load_balancing_loss", "z_loss"}
-        assert set(checks["seq-global"][2]) >= {"seq_load_balancing_loss"}  # and global's where megatron-core has it
+        logged = set(checks["seq-global"][2])  # global's too where megatron-core has it; 0.13 logs seq's unnamed
+        assert logged >= {"seq_load_balancing_loss"} or logged == {"load_balancing_loss"}, logged
         assert checks["aux-z-bias"][3] == checks["aux-z-bias"][4] == 2  # both layers' counts and updated bias
 
 
