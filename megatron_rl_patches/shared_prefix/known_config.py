@@ -152,11 +152,11 @@ FIELDS: dict[str, Known] = {
         why="its rotary table is read at each token's own position only on the unfused, non-interleaved path; set "
             "apply_rope_fusion=False and rotary_interleaved=False"),
     "mtp_num_layers": checked(
-        "None, 0; 1 or 2 at PP = 1 (tested at 1 rank, TP = 2, TP = 2 + SP)",
-        lambda value, s, training: not value or (int(value) <= 2 and _one(s, "pipeline")),
-        what="multi-token prediction at this depth or layout",
-        why="its block runs on each sample's own tokens, tested at depths 1 and 2 on one pipeline stage; run it "
-            "there or do not share this model's prefixes"),
+        "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
+        lambda value, s, training: not value or int(value) <= 2,
+        what="multi-token prediction at this depth",
+        why="its block runs on each sample's own tokens, tested at depths 1 and 2; run it there or do not share "
+            "this model's prefixes"),
     "softmax_type": only("vanilla", "off-by-one", "learnable", what="this softmax",
                          why="the package's attention adds megatron-core's sink (softmax_offset) for off-by-one and "
                              "learnable sinks only; use one of them or do not share this model's prefixes"),

@@ -78,7 +78,9 @@ ALLOWED = {
 }
 # the router's statistics on each sample's own rows (tests/shared_prefix/test_moe_statistics.py, test_mtp.py)
 ALLOWED_TOO = {
-    "mtp_num_layers": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, True),  # and test_layouts.py
+    "mtp_num_layers": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "variable_seq_lengths": True,
+                           "pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
+                       True),  # and test_layouts.py: TP = 2, TP = 2 + SP, PP = 2
     "moe_router_load_balancing_type": ("sinkhorn", MOE, True),
     "moe_aux_loss_coeff": (0.01, MOE, True),
     "moe_z_loss_coeff": (1e-3, {**MOE, "tensor_model_parallel_size": 2, "sequence_parallel": True}, True),
