@@ -45,8 +45,10 @@ PYTEST_ARGS ?=
 unexport PYTHONDONTWRITEBYTECODE
 # The three megatron lanes run on both cores: pytest-xdist, one test module per worker at a time
 # (--dist loadfile: a module's multi-rank world is still spawned once). `make test WORKERS=0` runs serially.
+# The heaviest modules first (tests/kit/heavy_first.py; --no-loadscope-reorder keeps that order: xdist's
+# own, most tests first, left a one-test module spawning a 30-second world to the end, one worker idle).
 WORKERS ?= 2
-PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 # Each worker's torch runs on its share of the cores (OMP_NUM_THREADS: cores / workers, at least 1;
 # a value the caller set is kept; nproc counts the cores, not that value): two workers of two OpenMP
 # threads each on two cores spun against each other (GNU OpenMP's busy wait), in each test process and

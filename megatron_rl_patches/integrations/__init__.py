@@ -46,6 +46,7 @@ ORDER = (
     "nemo_rl_fused_logprobs",
     "nemo_rl_topk",
     "nemo_rl_topk_kd",
+    "nemo_rl_shared_prefix",
 )
 
 

@@ -82,7 +82,8 @@ MEMORY = per_token("what is kept, recomputed or offloaded, never what is compute
 PLUMBING = per_token("callbacks, logging, initialization and checks: no token's value")
 INFERENCE = per_token("inference engines only: a plan runs without an inference context")
 MODULES = per_token("it chooses a layer's classes: a module the plan does not know is refused by its class")
-WITHOUT_CP = per_token("only with context parallelism, which is refused")
+WITHOUT_CP = per_token("how the core attention exchanges keys across context-parallel ranks: the plan's attention "
+                       "replaces it (it gathers them)")
 WITHOUT_MLA = per_token("only with multi_latent_attention, which is refused")
 WITHOUT_VARIANT = per_token("the widths of a gated delta net (per token) or DSA's, refused with its variant")
 WITHOUT_MTP = per_token("only with mtp_num_layers, which is refused")
@@ -131,6 +132,13 @@ def _split_rows(s: Settings) -> bool:
     return bool(s.get("sequence_parallel")) and not _one(s, "tensor")
 
 
+def _context_parallel_served(s: Settings) -> bool:
+    """Context parallelism where the plan's cut is tested: dense softmax attention, one pipeline stage."""
+    return (not s.get("multi_latent_attention") and not s.get("mtp_num_layers") and _no_moe(s)
+            and not s.get("experimental_attention_variant")
+            and _one(s, "pipeline") and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
+
+
 def _statistics(s: Settings) -> bool:
     """The router's statistics counted on each sample's own rows (shared_prefix/moe_statistics.py)."""
     recomputed = set(s.get("recompute_modules") or []) if s.get("recompute_granularity") == "selective" else set()
@@ -139,9 +147,14 @@ UNTESTED = "the plan has not been tested with it; leave it at its default or do 
 
 FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
-    "context_parallel_size": only(1, what="context parallelism",
-                                  why="each rank would hold a part of the ids the plan is built from; run with "
-                                      "context_parallel_size=1"),
+    "context_parallel_size": checked(
+        "1; 2 or more on a GPTModel without multi-latent attention, MTP, MoE, gated delta nets, windows or sinks, at "
+        "PP = 1 (tested at CP = 2 and CP = 2 x TP = 2)",
+        lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
+        what="context parallelism beside multi-latent attention, MTP, MoE, a gated delta net, a sliding window, an "
+             "attention sink or pipeline parallelism",
+        why="the plan's stream is cut over the context-parallel ranks only for dense attention layers on one pipeline "
+            "stage (tested); run these models with context_parallel_size=1 or without a sharing plan"),
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),

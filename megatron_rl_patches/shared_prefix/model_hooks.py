@@ -20,6 +20,10 @@ Three kinds of model bring a seam of their own (each in its module): multi-laten
 rotary table (`mla`), an MoE router's statistics in training (`moe_statistics`: the plan handed to
 the router for the layer's call only) and the MTP block (`mtp`: run on the logical rows).
 
+Under context parallelism each seam reads its rank's share of the plan (`context_parallel`): the
+ids and positions of its physical rows, its attention against every rank's keys and values, its
+logical rows read from every rank's output.
+
 `prepare_shared_prefix(model)` installs them once (idempotent); a call without a plan runs exactly
 as before. `shared_prefix_params(plan)` is what a caller passes as `packed_seq_params`."""
 # lazy imports: optional dependency megatron-core
@@ -33,9 +37,17 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.model.attention_layout import with_batch
 from megatron_rl_patches.model.chunks import modules_of
 from megatron_rl_patches.model.kinds import is_attention, is_language_model
 from megatron_rl_patches.shared_prefix.attention import check_route, shared_prefix_attention
+from megatron_rl_patches.shared_prefix.context_parallel import (
+    WholeRotaryTable,
+    check_logical_layout,
+    gathered_stream,
+    module_share,
+    taken,
+)
 from megatron_rl_patches.shared_prefix.gated_delta_net import is_gated_delta_net, prepare_gated_delta_net
 from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
 from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
@@ -57,24 +69,32 @@ def params_type() -> type:
 
         shared_prefix: Any = None
         route: str = "auto"
+        cp_layout: str = "zigzag"
 
     return SharedPrefixParams
 
 
-def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto") -> Any:
+def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto", cp_layout: str = "zigzag") -> Any:
     """What a caller passes as `packed_seq_params` to run `plan` on a prepared model: megatron-core's
     `PackedSeqParams` (qkv_format "shared_prefix", the rotary table's length in max_seqlen) holding the
     plan; `route` the attention's ("auto": FlexAttention on CUDA, the mask route elsewhere). Its
     cu_seqlens span the stream as one sequence: megatron-core 0.13-0.15 read any packed params as
     `thd` (the batch dimension squeezed, RoPE per sequence of cu_seqlens), and one sequence takes the
-    table the attention hook already read at each token's position, whole."""
+    table the attention hook already read at each token's position, whole. Under context parallelism
+    every rank passes the same plan (of the whole micro-batch) and its own share of the ids, cut in
+    `cp_layout` ("zigzag": megatron-core's per sequence; "contiguous": slime's --allgather-cp), and
+    gets its logits back at those rows (`context_parallel`)."""
     if not isinstance(plan, SharedPrefixPlan):
         raise TypeError(f"shared_prefix_params: plan must be a SharedPrefixPlan, got {type(plan).__name__}")
     whole = torch.tensor([0, plan.physical_length], dtype=torch.int32)
     # the table also covers the padding as packed (one sequence): an MTP block runs the logical rows
     longest = max(plan.longest, plan.logical_length - plan.stats.logical_tokens)
-    return params_type()(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=longest,
-                         max_seqlen_kv=longest, shared_prefix=plan, route=check_route(route))
+    cls = params_type()
+    # megatron-core 0.16+ hands the rotary embedding this group: the table stays whole under a plan
+    whole_table = {"cp_group": WholeRotaryTable()} if "cp_group" in {f.name for f in dataclasses.fields(cls)} else {}
+    return cls(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=longest,
+               max_seqlen_kv=longest, shared_prefix=plan, route=check_route(route),
+               cp_layout=check_logical_layout(cp_layout), **whole_table)
 
 
 # the per-model seams a module of its kind takes (each kind's module prepares it)
@@ -118,18 +138,26 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
     """Forward pre-hook of the language model: the logical ids -> the plan's physical ids and
     positions (a stage without the embedding takes the previous stage's physical rows as they come)."""
     call = ArgumentsByName.of_forward(module, args, kwargs)
-    plan = shared_prefix_plan_of(call.get("packed_seq_params"))
+    params = call.get("packed_seq_params")
+    plan = shared_prefix_plan_of(params)
     if plan is None:
         return None
     if module.pre_process and call.get("decoder_input") is None:
         ids = call.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (1, plan.logical_length):
+        held = module_share(module, plan, params)
+        share = None if held is None else held[0]
+        length = plan.logical_length if share is None else int(share.logical.numel())
+        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (1, length):
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"shared prefix: input_ids must be the packed ids the plan was built from, [1, "
-                             f"{plan.logical_length}], got {shape}")
-        if not torch.equal(ids[0].to(torch.int64), plan.on(ids.device, "logical_tokens")):
+            mine = "" if share is None else f" (this context-parallel rank's {params.cp_layout} share of them)"
+            raise ValueError(f"shared prefix: input_ids must be the packed ids the plan was built from{mine}, [1, "
+                             f"{length}], got {shape}")
+        logical = (plan.on(ids.device, "logical_tokens") if share is None
+                   else taken(plan, share, "logical_tokens", "logical", ids.device))
+        if not torch.equal(ids[0].to(torch.int64), logical):
             raise ValueError("shared prefix: input_ids differ from the ids the plan was built from (build the plan "
-                             "from this micro-batch's tokens)")
+                             "from this micro-batch's tokens" + ("" if share is None else ", whole on every context-"
+                             f"parallel rank, and pass cp_layout={params.cp_layout!r} only for ids cut that way") + ")")
         vocab = int(module.vocab_size)
         if plan.physical_length and int(plan.tokens.max()) >= vocab:
             raise ValueError(f"shared prefix: token id {int(plan.tokens.max())} is past the model's vocabulary "
@@ -137,8 +165,12 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
         if plan.physical_length and int(plan.tokens.min()) < 0:
             raise ValueError(f"shared prefix: token id {int(plan.tokens.min())} is negative: the model's ids are 0 "
                              f"to {vocab - 1}")
-        call.set("input_ids", plan.on(ids.device, "tokens")[None])
-        call.set("position_ids", plan.on(ids.device, "positions")[None])
+        if share is None:
+            call.set("input_ids", plan.on(ids.device, "tokens")[None])
+            call.set("position_ids", plan.on(ids.device, "positions")[None])
+        else:
+            call.set("input_ids", taken(plan, share, "tokens", "physical", ids.device)[None])
+            call.set("position_ids", taken(plan, share, "positions", "physical", ids.device)[None])
     if call.get("padding_mask") is not None:
         raise ValueError("shared prefix: padding_mask is not taken with a shared-prefix plan (the plan's padding "
                          "rows are its own); pass padding_mask=None")
@@ -148,10 +180,12 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
 def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of an attention layer: the rotary table at each physical row's position."""
     call = ArgumentsByName.of_forward(module, args, kwargs)
-    plan = shared_prefix_plan_of(call.get("packed_seq_params"))
+    params = call.get("packed_seq_params")
+    plan = shared_prefix_plan_of(params)
     table = call.get("rotary_pos_emb")
     if plan is None or table is None:
         return None
+    held = module_share(module, plan, params)
 
     def at_positions(emb: Any) -> Any:
         if emb is None:
@@ -159,6 +193,8 @@ def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, 
         if emb.size(0) < plan.longest:
             raise ValueError(f"shared prefix: the model's rotary table has {emb.size(0)} rows, the plan's longest "
                              f"sample {plan.longest}")
+        if held is not None:
+            return emb.index_select(0, taken(plan, held[0], "positions", "physical", emb.device))
         return emb.index_select(0, plan.on(emb.device, "positions"))
 
     call.set("rotary_pos_emb", tuple(at_positions(e) for e in table) if isinstance(table, tuple)
@@ -169,7 +205,8 @@ def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, 
 def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """Forward hook of the decoder: on the last pipeline stage, its physical rows read at each
     logical row (under sequence parallelism: gathered, read, scattered back)."""
-    plan = shared_prefix_plan_of(kwargs.get("packed_seq_params"))
+    params = kwargs.get("packed_seq_params")
+    plan = shared_prefix_plan_of(params)
     if plan is None or not getattr(module, "post_process", True):
         return None
     if not isinstance(output, torch.Tensor):
@@ -179,13 +216,21 @@ def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     sequence_parallel = bool(getattr(module.config, "sequence_parallel", False))
     tp = parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1
     hidden = output
+    held = module_share(module, plan, params)
+    logical = plan.logical_length if held is None else int(held[0].logical.numel())
     if tp > 1:
-        if plan.logical_length % tp:
-            raise ValueError(f"shared prefix: under sequence parallelism the packed micro-batch ({plan.logical_length} "
-                             f"tokens) must split evenly over the {tp} tensor-parallel ranks")
+        if logical % tp:
+            raise ValueError(f"shared prefix: under sequence parallelism the packed micro-batch ({logical} tokens"
+                             f"{'' if held is None else ' on this context-parallel rank'}) must split evenly over "
+                             f"the {tp} tensor-parallel ranks")
         # every rank reads the whole stream: the gradient each gets back is the whole one, so keep a split
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-    rows = hidden.index_select(0, plan.on(hidden.device, "logical_rows"))
+    if held is None:
+        rows = hidden.index_select(0, plan.on(hidden.device, "logical_rows"))
+    else:  # every rank's physical rows, read at this rank's logical rows
+        share, group = held
+        whole = gathered_stream(hidden, plan, share, group)
+        rows = whole.index_select(0, taken(plan, share, "logical_rows", "logical", whole.device))
     if tp > 1:
         rows = tensor_parallel.scatter_to_sequence_parallel_region(rows)
     return rows
@@ -243,9 +288,15 @@ def shared_prefix_core_class(cls: Any) -> type:
         if getattr(config, "multi_latent_attention", False):
             scale = self.softmax_scale  # MLA hands its core its own scale (YaRN's mscale squared in it)
         dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
+        held = module_share(self, plan, params)
+        if held is not None:  # this rank's queries against every rank's keys and values
+            share, group = held
+            key, value = (gathered_stream(t, plan, share, group) for t in with_batch(key, value))
+            query = with_batch(query)[0]
         return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route,
                                        window=layer_window(config, getattr(self, "layer_number", 1)),
-                                       sink=attention_sink(self))
+                                       sink=attention_sink(self),
+                                       share=None if held is None else (held[0].size, held[0].rank))
 
     return type(f"SharedPrefix{cls.__name__}", (cls, SharedPrefixCore),
                 {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})

@@ -59,7 +59,8 @@ class SharedPrefixPlan:
     `attention_rule.sees`), per segment its first row `segment_starts`, its parent
     `segment_parents` (-1 under the root) and `segment_depths` (0 under the root), `logical_rows` [T]
     (the physical row of each logical row), `logical_tokens` [T] (the stream as packed), the `groups`
-    (the subtrees under the root) and `stats`. Build it with :func:`plan_shared_prefix`."""
+    (the subtrees under the root), `stats`, and the `cu_seqlens` it was built from (`sequence_bounds`:
+    where context parallelism cuts the logical ids per sequence). Build it with :func:`plan_shared_prefix`."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -73,6 +74,7 @@ class SharedPrefixPlan:
     groups: tuple[Group, ...]
     stats: PlanStats
     padding_rows: int
+    sequence_bounds: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
     _placed: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -217,7 +219,7 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     return SharedPrefixPlan(tokens=tokens, positions=positions, segments=segments, reach=reach_t[segments],
                             segment_starts=starts_t, segment_parents=parents, segment_depths=depths,
                             logical_rows=logical_rows, logical_tokens=ids, groups=groups, stats=stats,
-                            padding_rows=padding)
+                            padding_rows=padding, sequence_bounds=torch.tensor(bounds, dtype=torch.int64))
 
 
 def shared_prefix_plan_of(packed_seq_params: Any) -> SharedPrefixPlan | None:

@@ -47,6 +47,7 @@ CORES = {  # core attentions computing plain causal softmax attention from the c
     "megatron.core.extensions.transformer_engine.TEDotProductAttention",
     "megatron_rl_patches.inference.sdpa_attention.SDPACoreAttention",
     "megatron_rl_patches.testing.packed_gpt.packed_attention_class.<locals>.PackedDotProductAttention",
+    "megatron_rl_patches.testing.cp_attention.ContextParallelAttention",
 }
 RECURRENT = {"GatedDeltaNet": "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final "
                               "recurrent state)",
@@ -173,6 +174,23 @@ def module_reason(path: str, module: Any) -> str | None:
     return NOT_KNOWN.format(name=_qualified(cls), path=path or "the model")
 
 
+def context_parallel_reasons(model: Any, path: str) -> list[str]:
+    """Why a language model at context parallelism cannot run a plan: the rotary table is kept whole for
+    the plan through megatron-core 0.16's `packed_seq_params.cp_group`, which only its GPTModel reads."""
+    size = int(getattr(model.config, "context_parallel_size", 1) or 1)
+    if size == 1:
+        return []
+    if _old_megatron_core():
+        return [f"context parallelism on megatron-core {_old_megatron_core()} (context_parallel_size={size}): the plan "
+                "cuts its stream over the ranks on 0.16 and later; upgrade megatron-core or run it at "
+                "context_parallel_size=1"]
+    name = _qualified(type(model))
+    if type(model).__name__ != "GPTModel":
+        return [f"context parallelism in {name} at {path or 'the model'} (context_parallel_size={size}): the plan "
+                "cuts its stream over the ranks in megatron-core's GPTModel only; run it at context_parallel_size=1"]
+    return []
+
+
 def local_reasons(model: Any, training: bool) -> list[str]:
     """Why this rank's chunks of `model` cannot run a plan (one reason per refused field or class)."""
     reasons: list[str] = []
@@ -191,6 +209,7 @@ def local_reasons(model: Any, training: bool) -> list[str]:
                 found = True
                 seen.add(id(module.config))
                 reasons += config_reasons(module.config, training, getattr(module, "position_embedding_type", None))
+                reasons += context_parallel_reasons(module, where)
             config = getattr(module, "config", None)
             if id(config) not in seen and dataclasses.is_dataclass(config) and not isinstance(config, type):
                 seen.add(id(config))

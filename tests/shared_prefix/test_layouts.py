@@ -9,8 +9,10 @@ rank its own micro-batch; and at TP = 2 + SP with EP = 2: aux, seq and global au
 counts and the bias, Sinkhorn refused by name), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
 megatron-core's GatedDeltaNet (3 of 4 layers) at TP = 2 and TP = 2 + SP against each sample run alone;
-CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
-stages alike (never one rank raising while the other waits)."""
+CP = 2 (each rank its zigzag or contiguous share of the ids, the plan's stream cut over the ranks)
+against the same samples packed whole at CP = 1, the gradients summed over the CP ranks; a layer
+kind only one pipeline stage holds refused on both stages alike (never one rank raising while the
+other waits)."""
 from __future__ import annotations
 
 import pytest
@@ -456,19 +458,11 @@ def _gated_delta_net_checks(sequence_parallel: bool) -> dict | None:
                 "rows": (seen[-1], batch.plan(pad_to=2).physical_length)}
 
 
-def _context_parallel_check() -> str | None:
-    from megatron_rl_patches.shared_prefix import check_shared_prefix
-    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
-    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+def _context_parallel_checks() -> dict:
+    from kit.context_parallel_prefix import context_parallel_batches, context_parallel_exactness
 
-    with megatron_on_cpu(context_parallel=2):
-        model = build_packed_gpt(seq_length=512, config=tiny_gpt_config(context_parallel_size=2),
-                                 context_parallel_layout="zigzag")
-        try:
-            check_shared_prefix([model], training=True)
-        except ValueError as exc:
-            return str(exc)
-    return None
+    return context_parallel_exactness(1, False, [(layout, index) for layout in ("zigzag", "contiguous")
+                                                  for index in range(len(context_parallel_batches()))])
 
 
 def _world(rank: int, world_size: int) -> dict:
@@ -478,7 +472,7 @@ def _world(rank: int, world_size: int) -> dict:
             "pp2": _pipeline_checks(), "pp2-mla": _latent_attention_pipeline_checks(),
             "pp2-mtp": _mtp_pipeline_checks(),
             "ep2": _expert_parallel_checks(), "tp2-sp-ep2": _sequence_parallel_statistics(),
-            "cp2": _context_parallel_check(), "gdn-tp2": _gated_delta_net_checks(False),
+            "cp2": _context_parallel_checks(), "gdn-tp2": _gated_delta_net_checks(False),
             "gdn-tp2-sp": _gated_delta_net_checks(True)}
 
 
@@ -606,10 +600,12 @@ def test_a_layer_kind_on_one_stage_is_refused_on_both(world):
     assert reasons[0] == reasons[1] and "gated delta net" in reasons[0]
 
 
-@layouts.mark("cp2-zigzag")
-def test_context_parallelism_is_refused_by_name_on_both_ranks(world):
-    reasons = [rank["cp2"] for rank in world]
-    assert reasons[0] == reasons[1] and "context parallelism (context_parallel_size=2)" in reasons[0]
+@pytest.mark.parametrize("layout", [pytest.param("zigzag", marks=layouts.mark("cp2-zigzag")),
+                                    pytest.param("contiguous", marks=layouts.mark("cp2-allgather"))])
+def test_context_parallelism_equals_the_samples_packed_whole(world, layout):
+    from kit.context_parallel_prefix import assert_exact
+
+    assert_exact([rank["cp2"] for rank in world], layout)
 
 
 @layouts.mark("tp2", "sp")

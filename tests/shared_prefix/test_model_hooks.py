@@ -154,7 +154,8 @@ def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe
 
 
 REFUSALS = {
-    "cp2": (dict(context_parallel_size=2), False, "context parallelism"),
+    "cp2-pp2": (dict(context_parallel_size=2, pipeline_model_parallel_size=2, variable_seq_lengths=True), False,
+                "context parallelism beside"),
     "mla-interleaved": (dict(multi_latent_attention=True, rotary_interleaved=True), False, "multi-latent attention"),
     "mtp-depth-3": (dict(mtp_num_layers=3), False, "multi-token prediction"),
     "pp2-fixed-lengths": (dict(pipeline_model_parallel_size=2), False, "variable_seq_lengths"),

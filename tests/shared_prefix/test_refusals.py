@@ -25,7 +25,7 @@ RECOMPUTED_MOE = {**MOE, "recompute_granularity": "selective", "recompute_module
 
 # field: (a value other than the default, the config it is set on, training) -> refused by name
 REFUSED = {
-    "context_parallel_size": (2, {}, False),
+    "context_parallel_size": (2, MOE, False),
     "hybrid_context_parallel": (True, {}, False),
     "pipeline_model_parallel_size": (2, {}, False),
     "virtual_pipeline_model_parallel_size": (2, {}, False),
@@ -63,6 +63,7 @@ REFUSED = {
 ALLOWED = {
     "pipeline_model_parallel_size": (2, {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"},
                                      True),  # planned in test_layouts.py
+    "context_parallel_size": (2, {}, True),  # test_layouts.py (CP = 2), test_context_parallel_layouts.py (x TP = 2)
     "softmax_type": ("learnable", {}, True),  # test_windows_sinks.py
     "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),

@@ -50,7 +50,7 @@ def test_checked_contexts_are_the_callers_own_checked_as_with_context_checks_the
     assert words(ValueError, checked_contexts, batch, contexts, vocab_size=0) == (
         "with_context(vocab_size=0): pass the teacher's vocabulary size, a positive int, or None")
     assert words(ValueError, checked_contexts, batch, contexts[:2]) == (
-        "with_context(contexts=...): 2 contexts for a batch of 3 samples: give one context per sample, in the "
+        "with_context(contexts=...) holds 2 contexts for a batch of 3 samples: give one per sample, in the "
         "batch's order")
     assert words(TypeError, checked_contexts, batch, [torch.tensor([1]), torch.tensor([[2]]), torch.tensor([3])]) == (
         "with_context(contexts=...): contexts[1] must be a 1-D integer id tensor, got a tensor of shape (1, 1) and "

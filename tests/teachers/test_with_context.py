@@ -36,7 +36,7 @@ def test_dtype_and_device_follow_the_response_and_the_callers_tensors_are_untouc
 
 @pytest.mark.parametrize(("contexts", "kind", "words"), [
     ([torch.tensor([1])], ValueError, "1 contexts for a batch of 3 samples"),
-    (torch.tensor([[1], [2], [3]]), TypeError, "takes a list of 1-D id tensors"),
+    (torch.tensor([[1], [2], [3]]), TypeError, "must be a list of 1-D id tensors, one per sample, got Tensor"),
     (["a hint", "b", "c"], TypeError, "contexts[0] must be a 1-D integer id tensor, got str (text: tokenize"),
     ([torch.tensor([1]), None, torch.tensor([2])], ValueError, "sample 1 has no context (None)"),
     ([torch.tensor([1]), torch.tensor([[2]]), torch.tensor([2])], TypeError, "contexts[1] must be a 1-D integer"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -222,9 +223,12 @@ def opd_selection_problems(environment: dict[str, Any], fates: dict[str, str | N
 
 # where MEGATRON_RL_PATCHES_SHARED_PREFIX=1 takes effect, and where it does not (docs/shared-prefix.md)
 SHARED_PREFIX_ON = ("on: slime's passes (training, old and reference log-probs, in-process teachers, the live "
-                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused; a pass whose "
-                    "model it cannot run says why once and packs each sample whole; verl's and NeMo-RL's passes pack "
-                    "each sample whole (docs/shared-prefix.md)")
+                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused, NeMo-RL's "
+                    "(training, log-probs, reference, teacher top-k) through patch nemo_rl_shared_prefix; a pass "
+                    "whose model it cannot run says why once and packs each sample whole; verl's engine passes "
+                    "(training, log-probs, reference) through patch verl_fused_logprobs, refusing by name a layout "
+                    "they cannot run (docs/shared-prefix.md)")
+VERL_ENGINE = "verl.workers.engine.megatron"  # where verl_fused_logprobs plans verl's passes
 
 
 def shared_prefix_statement(environment: dict[str, Any]) -> str:
@@ -234,20 +238,32 @@ def shared_prefix_statement(environment: dict[str, Any]) -> str:
         return "unreadable (see the problems below)"
     if not environment["shared_prefix"]:
         return f"off ({'unset' if written is None else f'{env.SHARED_PREFIX}={_shown_setting(written)!r}'})"
-    if environment.get("resolved") and "slime_fused" in environment["resolved"]:
+    if environment.get("resolved") and ("slime_fused" in environment["resolved"] or verl_route(environment)):
         return SHARED_PREFIX_ON
     return (f"asked ({env.SHARED_PREFIX}={_shown_setting(written)!r}) but off: patch slime_fused, through which it "
             "takes effect, is not selected (see the problems below)")
 
 
 def shared_prefix_problems(environment: dict[str, Any], fates: dict[str, str | None]) -> list[str]:
-    """The setting on while slime_fused, the route it takes effect through, will not apply, and why."""
+    """The setting on while slime_fused, the route it takes effect through, will not apply, and why
+    (none where verl's route, `verl_route`, takes it)."""
     why = not_selected(environment, "slime_fused", fates) if environment.get("shared_prefix") else None
-    if why is None:
+    if why is None or verl_route(environment):
         return []
     written = _shown_setting(environment["variables"][env.SHARED_PREFIX])
     return [f"{env.SHARED_PREFIX}={written!r} takes effect through patch slime_fused, which will not apply "
             f"({why[0]}), so every sample is packed whole: {why[1]}"]
+
+
+def verl_route(environment: dict[str, Any]) -> bool:
+    """Whether verl's passes take the setting: verl_fused_logprobs selected and verl's Megatron engine
+    importable here."""
+    if "verl_fused_logprobs" not in (environment.get("resolved") or []):
+        return False
+    try:
+        return importlib.util.find_spec(VERL_ENGINE) is not None
+    except (ImportError, ValueError):  # no verl, or a namespace package of that name
+        return False
 
 
 def _shown_setting(value: str) -> str:

@@ -105,9 +105,20 @@ def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> Pref
     if not enabled:
         return None
     reason = shared_prefix_reason(model, training=training)
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+    if reason is None and parallel_state.get_context_parallel_world_size() > 1:  # the same size on every rank
+        reason = ("the host hands each context-parallel rank its share of a micro-batch, and the plan is built from "
+                  "the whole one (a hand-written loop can plan it: docs/shared-prefix.md)")
     if reason is not None:
         warn_once(OFF.format(what=what, reason=reason))
         return None
+    return planned_pass(what, model)
+
+
+def planned_pass(what: str, model: Any) -> PrefixPass:
+    """The shared-prefix packing of the pass `what` over `model` (its chunks), prepared: for a host
+    that decided at its door, agreed over every rank, that the model runs a plan (`prefix_pass`)."""
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     prepare_shared_prefix(model)

@@ -7,7 +7,8 @@ student's own policy over privileged contexts (`self_teacher`: `self_teacher_pol
 batch as its teacher reads it: `teacher_rows`); its Megatron driver's
 log-prob route on the fused head (`logprobs`), its teacher top-k on the package's top-k (`topk`)
 and its top-k distillation loss as the exact (k+1)-bucket divergence (`topk_kd`), each through one
-forward step (`step`) and NeMo-RL's own row layouts (`rows`)."""
+forward step (`step`) and NeMo-RL's own row layouts (`rows`); every Megatron pass computing a group's
+shared prompt once with MEGATRON_RL_PATCHES_SHARED_PREFIX=1 (`shared_prefix`)."""
 from __future__ import annotations
 
 from megatron_rl_patches._lazy import lazy_getattr, lazy_names

@@ -1,5 +1,6 @@
 """Every verl record in one place (verl 0.9.x; 0.9.1 tested, the Megatron engine layout of 0.8+):
-`verl_fused_logprobs` (the processor, in `fused`; the rows verl reads, in `rows`) and
+`verl_fused_logprobs` (the processor, in `fused`; the rows verl reads, in `rows`; shared-prefix
+packing of the engine's passes, in `shared_prefix`) and
 `verl_topk_kd` (in `topk`; its served teacher in `served`, its figures in verl's metrics in
 `teacher_metrics`). The listing order is
 `integrations.ORDER`'s. Every record is a no-op until verl's module is imported (post-import hooks)."""
@@ -109,6 +110,11 @@ PATCHES = (
     _fused(ENGINE, "rows:forward_step_wrapper",
            "verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
            ("self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"), optional=True),
+    _fused(f"{ENGINE.rpartition(':')[0]}:MegatronEngine.forward_backward_batch",
+           "shared_prefix:forward_backward_batch_wrapper",
+           "verl's engine passes (training, log-probs, reference) pack a group's prompt once where verl packs each "
+           "micro-batch (MEGATRON_RL_PATCHES_SHARED_PREFIX=1)",
+           ("self", "data", "loss_function", "forward_only"), optional=True),
     _fused(PACKER, "rows:packer_wrapper",
            "verl's label packing packs the read rows alike: the fused processor's row mask",
            ("input_ids", "pre_process", "need_roll"), optional=True),

@@ -73,13 +73,20 @@ def check_budget(name: str, value: object, what: str) -> None:
 
 def context_list(contexts: object, samples: int) -> list[Any]:
     """`contexts` as a list of one entry per sample (a count other than the batch's refused)."""
-    if isinstance(contexts, (torch.Tensor, str, bytes)) or not isinstance(contexts, Sequence):
-        raise TypeError(f"{WHERE}(contexts=...) takes a list of 1-D id tensors, one per sample, got "
-                        f"{type(contexts).__name__} (text contexts: tokenize them first with context_ids)")
-    if len(contexts) != samples:
-        raise ValueError(f"{WHERE}(contexts=...): {len(contexts)} contexts for a batch of {samples} samples: give "
-                         "one context per sample, in the batch's order")
-    return list(contexts)
+    return one_per_sample(contexts, samples, f"{WHERE}(contexts=...)", "a list of 1-D id tensors, one per sample",
+                          " (text contexts: tokenize them first with context_ids)")
+
+
+def one_per_sample(values: object, samples: int, named: str, form: str = "a list of one context per sample",
+                   hint: str = "") -> list[Any]:
+    """`values` as a list of one context per sample: a sequence (no tensor, no text) of `samples`
+    entries; the refusals say `named` (the argument), the `form` it takes and a `hint`."""
+    if isinstance(values, (torch.Tensor, str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{named} must be {form}, got {type(values).__name__}{hint}")
+    if len(values) != samples:
+        raise ValueError(f"{named} holds {len(values)} contexts for a batch of {samples} samples: give one per "
+                         "sample, in the batch's order")
+    return list(values)
 
 
 def check_context(sample: int, context: object, vocab_size: int | None, dtype: torch.dtype | None = None,

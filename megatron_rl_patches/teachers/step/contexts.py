@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context.teacher_context import id_tensor, with_context
+from megatron_rl_patches.teachers.context.teacher_context import id_tensor, one_per_sample, with_context
 
 WHERE = "TeacherStep.send(contexts=...)"
 
@@ -55,14 +55,7 @@ def per_sample(contexts: object, key: str, samples: int, teacher: int) -> list[A
         if key not in contexts:
             raise ValueError(f"{WHERE}: {asking} but the contexts hold no key {key!r} (they hold "
                              f"{sorted(map(str, contexts))}): pass every sample's context under it")
-        values = contexts[key]
-        if isinstance(values, (str, bytes, torch.Tensor)) or not isinstance(values, Sequence):
-            raise TypeError(f"{WHERE}: contexts[{key!r}] must be a list of one context per sample, got "
-                            f"{type(values).__name__}")
-        if len(values) != samples:
-            raise ValueError(f"{WHERE}: contexts[{key!r}] holds {len(values)} contexts for a batch of {samples} "
-                             "samples: give one per sample, in the batch's order")
-        return list(values)
+        return one_per_sample(contexts[key], samples, f"{WHERE}: contexts[{key!r}]")
     assert isinstance(contexts, Sequence)
     if len(contexts) != samples:
         raise ValueError(f"{WHERE}: {len(contexts)} per-sample mappings for a batch of {samples} samples: give one "

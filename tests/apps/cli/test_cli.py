@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[3]
 PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor",
               "grad_windows", "verl_fused_logprobs", "verl_topk_kd", "slime_fused", "slime_opd",
               "hybrid_output_processor", "mtp_output_processor", "nemo_rl_fused_logprobs", "nemo_rl_topk",
-              "nemo_rl_topk_kd"}
+              "nemo_rl_topk_kd", "nemo_rl_shared_prefix"}
 
 
 

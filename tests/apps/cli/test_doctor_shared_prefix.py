@@ -56,6 +56,21 @@ def test_doctor_names_the_route_it_needs(capsys, clean_patch_state):
     assert "shared prefix: asked" in text and "slime's passes" not in text
 
 
+@pytest.mark.parametrize("verl_found", [True, False])
+def test_verls_route_alone_is_on_where_verl_is(capsys, clean_patch_state, verl_found):
+    """verl's passes take it through verl_fused_logprobs: selected without slime_fused, it is on
+    where verl's Megatron engine is importable (this lane has no verl: the module reported found or
+    not), and the slime route's problem otherwise."""
+    from megatron_rl_patches.apps.cli import doctor
+
+    real = doctor.importlib.util.find_spec
+    clean_patch_state.setattr(doctor.importlib.util, "find_spec", lambda name, *rest: (
+        object() if verl_found and name == doctor.VERL_ENGINE else real(name, *rest)))
+    report, text = _doctor(capsys, clean_patch_state, **{VARIABLE: "1", "MEGATRON_RL_PATCHES": "verl_fused_logprobs"})
+    assert ("shared prefix: on:" in text and "verl's engine passes" in text) is verl_found
+    assert bool([p for p in report["problems"] if VARIABLE in p]) is not verl_found
+
+
 @pytest.mark.parametrize("select", [None, "0", "off"])
 def test_patches_off_is_a_problem_not_on(capsys, clean_patch_state, select):
     """Issue 110 item 7: with MEGATRON_RL_PATCHES unset or 0 doctor said "on ... through patch

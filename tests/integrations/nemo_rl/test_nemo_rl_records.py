@@ -9,22 +9,44 @@ import pytest
 import torch
 
 from megatron_rl_patches import integrations
-from megatron_rl_patches.integrations.nemo_rl.patches import PATCHES, STEP
+from megatron_rl_patches.integrations.nemo_rl.patches import DRIVER, PATCHES, STEP
 from megatron_rl_patches.integrations.nemo_rl.topk_kd import (
     MASS_SLACK,
     ExactTopkDistillation,
     teacher_logprobs,
 )
 
-NAMES = ("nemo_rl_fused_logprobs", "nemo_rl_topk", "nemo_rl_topk_kd")
+NAMES = ("nemo_rl_fused_logprobs", "nemo_rl_topk", "nemo_rl_topk_kd", "nemo_rl_shared_prefix")
 
 
-def test_three_records_on_nemo_rls_forward_step_selected_by_all_and_by_name():
-    assert tuple(p.name for p in PATCHES) == NAMES and {p.target for p in PATCHES} == {STEP}
+def test_records_on_nemo_rls_forward_step_and_driver_selected_by_all_and_by_name():
+    assert [(p.name, p.target) for p in PATCHES] == [*((name, STEP) for name in NAMES[:3]),
+                                                     ("nemo_rl_shared_prefix", DRIVER), ("nemo_rl_shared_prefix", STEP)]
     registry = integrations.default_registry()
     assert [n for n in registry.patch_names() if n.startswith("nemo_rl")] == list(NAMES)
-    assert {p.wrapper for p in PATCHES} == {f"megatron_rl_patches.integrations.nemo_rl.{m}:forward_step_wrapper"
-                                            for m in ("logprobs", "topk", "topk_kd")}
+    here = "megatron_rl_patches.integrations.nemo_rl"
+    assert [p.wrapper for p in PATCHES] == [
+        *(f"{here}.{m}:forward_step_wrapper" for m in ("logprobs", "topk", "topk_kd")),
+        f"{here}.shared_prefix:forward_backward_wrapper", f"{here}.shared_prefix:forward_step_wrapper"]
+
+
+def test_shared_prefix_names_what_of_nemo_rls_call_it_does_not_plan_and_finds_its_pass_under_a_noting_iterator():
+    from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass
+    from megatron_rl_patches.integrations.nemo_rl.shared_prefix import PassIterator, call_reason, carried_pass
+    from megatron_rl_patches.integrations.nemo_rl.step import NotingIterator
+
+    packed = types.SimpleNamespace(cfg={"sequence_packing": {"enabled": True}})
+    assert call_reason({"post_processing_fn": packed}) is None
+    unpacked = types.SimpleNamespace(cfg={"sequence_packing": {"enabled": False}})
+    assert "sequence packing is off" in call_reason({"post_processing_fn": unpacked})
+    for argument, name in (("use_router_replay", "router replay"), ("enable_hidden_capture", "draft model"),
+                           ("use_fused_linear_logprobs", "use_fused_linear_logprobs")):
+        assert name in call_reason({"post_processing_fn": packed, argument: True})
+    prefix = PrefixPass("a pass")
+    carrier = PassIterator(iter([1, 2]), prefix)
+    noted = NotingIterator(carrier)
+    assert carried_pass(noted) is prefix and carried_pass(carrier) is prefix and carried_pass(iter([])) is None
+    assert list(noted) == [1, 2] and noted.last == 2
 
 
 def _float64(student, teacher, kl_type, weight=0.3):

@@ -26,6 +26,7 @@ from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.extras import install_hint
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES
 from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
+from megatron_rl_patches.inference.loading.hf.model import local_spec_fields
 from megatron_rl_patches.inference.residency.placement import weights_on_host
 from megatron_rl_patches.model.chunks import unwrap
 
@@ -73,11 +74,7 @@ def _hf_config(config: dict[str, Any], arch: HFArchitecture) -> Any:
 def cpu_overrides(dtype: torch.dtype, arch: HFArchitecture) -> dict[str, Any]:
     """TransformerConfig fields mbridge sets for GPUs with Transformer Engine, set for the local spec on CPU."""
     values: dict[str, Any] = dict(
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
-        sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, overlap_p2p_comm=False,
+        **local_spec_fields(dtype), bias_dropout_fusion=False, overlap_p2p_comm=False,
         variable_seq_lengths=False,  # the allgather dispatcher (CPU, gloo) refuses it
     )
     if arch.is_moe:

@@ -39,6 +39,20 @@ def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def local_spec_fields(dtype: torch.dtype) -> dict[str, Any]:
+    """TransformerConfig fields of a checkpoint's model on megatron-core's local (non Transformer
+    Engine) spec, for inference on any device: weights in `dtype`, made on the host and not
+    initialized (every weight is overwritten by the checkpoint), no dropout, no fused kernels
+    (bias-activation, masked softmax, persistent layer norm, RoPE, gradient accumulation), no
+    sequence parallelism."""
+    return dict(
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+        use_cpu_initialization=True, perform_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
+        sequence_parallel=False, bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )
+
+
 def transformer_config(arch: HFArchitecture, dtype: torch.dtype, sizes: dict[str, Any] | None = None) -> Any:
     """megatron-core's TransformerConfig for `arch` at the parallel sizes of parallel_state, or at
     `sizes` (TransformerConfig's *_parallel_size fields, e.g. a teacher's own layout) where given."""
@@ -58,26 +72,13 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype, sizes: dict[str
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype is torch.bfloat16,
-        fp16=dtype is torch.float16,
-        use_cpu_initialization=True,
-        perform_initialization=False,  # every weight is overwritten by the checkpoint
+        **local_spec_fields(dtype),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         # with virtual pipeline stages each chunk must know them (its layers' offsets)
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        sequence_parallel=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
     )
     values.update(sizes or {})
     # the checkpoint's key/value heads, repeated where the tensor-parallel size exceeds them (kv_heads.py)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_rl_patches.ops.kernels.triton._tiles import logits_tile, row_scales
+from megatron_rl_patches.ops.kernels.triton._tiles import logits_tile, row_block
 
 # The divergence table's rows entry_terms computes, one branch each; a row's DIV code is its place
 # here. A row not listed is not served (serves_divergence): the torch tiles evaluate it.
@@ -114,12 +114,8 @@ def divergence_tile_kernel(
     its rows into out[j, r, 0] (the value) and out[j, r, 1] (G = Σ g). GRAD: program (m, j)
     writes dz = (g − p·G)·row_factor of its [BLOCK_M, BLOCK_N] tile of columns [col_begin,
     col_end) to out[r, c − col_begin] (G = `constant` [T] when HAS_CONSTANT, else 0)."""
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    s = row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE, BLOCK_M)
+    rows64, row_ok, s = row_block(0, n_rows, scale_ptr, scale_value, ROW_SCALE, BLOCK_M)
     if GRAD:
         c_begin = col_begin + pid_n * BLOCK_N
         c_end = tl.minimum(c_begin + BLOCK_N, col_end)

@@ -16,7 +16,7 @@ from megatron_rl_patches.ops.kernels.triton._tiles import (
     finite,
     logits_tile,
     marked_columns,
-    row_scales,
+    row_block,
     subset_logits,
 )
 
@@ -35,12 +35,8 @@ def row_stats_kernel(
     """Outputs are [splits, n_rows] (out_marked [splits, n_rows, K], zero-filled by the host: a
     mark is stored only by the split holding its column). `marks` [n_rows, K] int32: the marked
     ids' local columns, -1 where another rank owns them. `keep` [n_rows, ≥ n_valid] int8."""
-    pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    s = row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE, BLOCK_M)
+    rows64, row_ok, s = row_block(0, n_rows, scale_ptr, scale_value, ROW_SCALE, BLOCK_M)
     shift = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     rest = tl.zeros((BLOCK_M,), dtype=tl.float32)
     moment = tl.zeros((BLOCK_M,), dtype=tl.float32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, expm1, logits_tile, row_scales
+from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, expm1, logits_tile, row_block
 
 
 @triton.jit
@@ -30,14 +30,10 @@ def grad_tile_kernel(
     """Rows [row_begin, row_end) and columns [col_begin, col_end) of the source; out[r - row_begin,
     c - col_begin]. Factors are per row ([T]) or per mark ([T, K] row-major, marks as local
     columns of the whole shard); absent ones are flagged off (their pointers unused)."""
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    rows64 = rows.to(tl.int64)
+    rows64, row_ok, s = row_block(row_begin, row_end, scale_ptr, scale_value, ROW_SCALE, BLOCK_M)
     cols = col_begin + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < col_end
-    s = row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE, BLOCK_M)
     x = logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
                     FUSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
     dz = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -92,7 +88,7 @@ def grad_tile_kernel(
             value += tl.load(f_delta + rows64 * K + kk, mask=row_ok, other=0.0)[:, None]
         marked_value += tl.where(hit, value, 0.0)
     dz = tl.where(marked, marked_value, dz)
-    out_rows = (rows - row_begin).to(tl.int64)
+    out_rows = rows64 - row_begin
     out_cols = (cols - col_begin).to(tl.int64)
     tl.store(out + out_rows[:, None] * s_out_r + out_cols[None, :] * s_out_c,
              dz.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

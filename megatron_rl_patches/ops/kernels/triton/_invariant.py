@@ -23,7 +23,7 @@ from megatron_rl_patches.ops.kernels.triton._tiles import (
     finite,
     logits_tile,
     marked_columns,
-    row_scales,
+    row_block,
     subset_logits,
 )
 
@@ -54,13 +54,9 @@ def invariant_tile_kernel(
     """Outputs [splits, n_rows] (out_marked [splits, n_rows, K], zero-filled by the host; the int64
     sums in pass 2). `shift_ptr` / `sub_shift_ptr` [n_rows]: the global shifts pass 2 reads.
     `marks` [n_rows, K] int32 local columns, -1 where another rank owns the id; `keep` int8."""
-    pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
+    rows64, row_ok, s = row_block(0, n_rows, scale_ptr, scale_value, ROW_SCALE, BLOCK_M)
     out_row = pid_s.to(tl.int64) * n_rows + rows64
-    s = row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE, BLOCK_M)
     shift = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     sub_shift = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     if SUMS:  # the global shifts, non-finite ones as 0 (finite_or_zero)

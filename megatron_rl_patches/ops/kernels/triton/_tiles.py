@@ -37,6 +37,16 @@ def row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE: tl.constexpr, 
 
 
 @triton.jit
+def row_block(first, end, scale_ptr, scale_value, ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's block of rows (grid axis 0), counted from row `first`: their indices as int64,
+    which of them lie below `end`, and their 1/τ (`row_scales`)."""
+    rows = first + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    return rows64, row_ok, row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE, BLOCK_M)
+
+
+@triton.jit
 def expm1(y):
     """e^y - 1 without cancellation near 0: a Taylor polynomial (Horner, 9 terms: relative error
     below fp32's epsilon) for |y| < 0.5, else exp(y) - 1 (losing at most ~1.5 bits there).

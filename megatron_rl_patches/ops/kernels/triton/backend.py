@@ -49,11 +49,9 @@ from megatron_rl_patches.ops.kernels.triton.launch import (
     Blocks,
     blocks,
     column_splits,
-    keep_arg,
-    marks_arg,
     or_dummy,
-    scale_args,
     src_args,
+    tile_args,
 )
 from megatron_rl_patches.ops.kernels.triton.topk_launches import topk_launch_shape
 from megatron_rl_patches.ops.topk_select import RunningTopk, best_of
@@ -104,17 +102,15 @@ class TritonTiles(Backend):
                                moment=stats.moment is not None, subset=stats.sub_shift is not None)
         dummy = parts.shift
         src, weight, n_hidden, *strides = src_args(source)
-        keep, s_keep_r, s_keep_c = keep_arg(keep_mask)
-        scale_t, scale_v = scale_args(scale, dtype)
+        a = tile_args(keep_mask, scale, dtype, (cols, owned) if k else None)
         grid = (triton.cdiv(n_rows, b.m), splits)
         row_stats_kernel[grid](
-            src, weight, keep if keep is not None else dummy, marks_arg(cols, owned) if k else dummy,
-            scale_t if scale_t is not None else dummy,
+            src, weight, *a.pointers(dummy),
             parts.shift, or_dummy(parts.rest, dummy), or_dummy(parts.moment, dummy), or_dummy(parts.sub_shift, dummy),
             or_dummy(parts.sub_sum, dummy), parts.marked,
-            n_rows, n_valid, n_hidden, cols_per_split, scale_v, *strides, s_keep_r, s_keep_c,
-            K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_REST=parts.rest is not None,
-            HAS_MOMENT=parts.moment is not None, HAS_SUB=parts.sub_shift is not None, HAS_KEEP=keep is not None,
+            n_rows, n_valid, n_hidden, cols_per_split, a.scale_value, *strides, *a.keep_strides,
+            K=k, FUSED=source.fused, ROW_SCALE=a.scale is not None, HAS_REST=parts.rest is not None,
+            HAS_MOMENT=parts.moment is not None, HAS_SUB=parts.sub_shift is not None, HAS_KEEP=a.keep is not None,
             **b.launch(source.first.dtype),
         )
         merged = merge_splits(parts, splits, scale)
@@ -185,20 +181,18 @@ class TritonTiles(Backend):
         dummy = f.log_sum if f.log_sum is not None else f.log_sub_sum
         assert dummy is not None  # some exp term is always there
         src, weight, n_hidden, *strides = src_args(source)
-        keep, s_keep_r, s_keep_c = keep_arg(keep_mask)
-        scale_t, scale_v = scale_args(scale, f.dtype)
         k = f.cols.size(1)
+        a = tile_args(keep_mask, scale, f.dtype, (f.cols, f.owned) if k else None)
         per_mark = [None if t is None else t.expand(f.cols.shape).contiguous() for t in (f.mark_alpha, f.eta, f.delta)]
         grid = (triton.cdiv(r1 - r0, b.m), triton.cdiv(c1 - c0, b.n))
         grad_tile_kernel[grid](
-            src, weight, keep if keep is not None else dummy, marks_arg(f.cols, f.owned) if k else dummy,
-            scale_t if scale_t is not None else dummy, out,
+            src, weight, *a.pointers(dummy), out,
             *(or_dummy(t, dummy) for t in (f.shift, f.log_sum, f.alpha, f.beta, f.sub_shift, f.log_sub_sum, f.gamma)),
             *(or_dummy(t, dummy) for t in per_mark),
-            r0, r1, c0, c1, n_hidden, scale_v, *strides, s_keep_r, s_keep_c, out.stride(0), out.stride(1),
-            K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_ALPHA=f.alpha is not None,
+            r0, r1, c0, c1, n_hidden, a.scale_value, *strides, *a.keep_strides, out.stride(0), out.stride(1),
+            K=k, FUSED=source.fused, ROW_SCALE=a.scale is not None, HAS_ALPHA=f.alpha is not None,
             HAS_BETA=f.beta is not None, HAS_SUB=f.sub_shift is not None, HAS_GAMMA=f.gamma is not None,
-            HAS_KEEP=keep is not None and f.gamma is not None, HAS_MARK_ALPHA=f.mark_alpha is not None,
+            HAS_KEEP=a.keep is not None and f.gamma is not None, HAS_MARK_ALPHA=f.mark_alpha is not None,
             HAS_ETA=f.eta is not None, HAS_DELTA=f.delta is not None,
             **b.launch(source.first.dtype),
         )
@@ -250,21 +244,21 @@ class TritonTiles(Backend):
                           grad: bool) -> None:
         dtype = norms[0].dtype
         dummy = norms[0]
-        keep, s_keep_r, s_keep_c = keep_arg(keep_mask)
-        scale_t, scale_v = scale_args(scale, dtype)
+        a = tile_args(keep_mask, scale, dtype)
+        keep, _, scale_t = a.pointers(dummy)
         w = plan.weight
         inside = 0.0 < w < 1.0  # log w and log(1 − w) are read only by the mixtures, whose w is inside
         h_s, w_s, n_s, *s_strides = src_args(student)
         h_t, w_t, n_t, *t_strides = src_args(teacher)
         divergence_tile_kernel[grid](
-            h_s, w_s, h_t, w_t, norms[0].contiguous(), norms[1].contiguous(), keep if keep is not None else dummy,
-            scale_t if scale_t is not None else dummy, or_dummy(constant, dummy), or_dummy(row_factor, dummy), out,
-            student.n_rows, c0, c1, cols_per_split, n_s, n_t, scale_v, w,
+            h_s, w_s, h_t, w_t, norms[0].contiguous(), norms[1].contiguous(), keep,
+            scale_t, or_dummy(constant, dummy), or_dummy(row_factor, dummy), out,
+            student.n_rows, c0, c1, cols_per_split, n_s, n_t, a.scale_value, w,
             math.log(w) if inside else 0.0, math.log1p(-w) if inside else 0.0,
-            *s_strides, *t_strides, s_keep_r, s_keep_c,
+            *s_strides, *t_strides, *a.keep_strides,
             out.stride(0) if grad else 0, out.stride(1) if grad else 0,
             DIV=KERNEL_DIVERGENCES.index(plan.row.name), GRAD=grad, HAS_CONSTANT=constant is not None,
-            ROW_SCALE=scale_t is not None, HAS_KEEP=keep is not None, **b.launch(student.first.dtype),
+            ROW_SCALE=a.scale is not None, HAS_KEEP=a.keep is not None, **b.launch(student.first.dtype),
         )
 
 

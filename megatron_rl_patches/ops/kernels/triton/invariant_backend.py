@@ -17,16 +17,7 @@ from megatron_rl_patches.ops._stats import RowStats
 from megatron_rl_patches.ops.kernels.invariant_tiles import FIXED_BITS, InvariantTiles
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.triton._invariant import invariant_tile_kernel
-from megatron_rl_patches.ops.kernels.triton.launch import (
-    Blocks,
-    blocks,
-    column_splits,
-    keep_arg,
-    marks_arg,
-    or_dummy,
-    scale_args,
-    src_args,
-)
+from megatron_rl_patches.ops.kernels.triton.launch import Blocks, blocks, column_splits, src_args, tile_args
 
 SUM_NAMES = ("rest", "moment", "sub_sum")
 
@@ -97,12 +88,10 @@ class _Launch:
                  scale: float | torch.Tensor, stats: RowStats, split: tuple[int, int], b: Blocks) -> None:
         self.source, self.stats, self.split, self.b = source, stats, split, b
         self.k = cols.size(1)
-        self.marks = marks_arg(cols, owned) if self.k else None
-        self.keep, self.s_keep_r, self.s_keep_c = keep_arg(keep_mask)
-        self.scale_t, self.scale_v = scale_args(scale, torch.float32)
+        self.args = tile_args(keep_mask, scale, torch.float32, (cols, owned) if self.k else None)
 
     def __call__(self, shifts: torch.Tensor, marked: torch.Tensor, ints: torch.Tensor, *, sums: bool) -> None:
-        source, stats, b = self.source, self.stats, self.b
+        source, stats, b, a = self.source, self.stats, self.b, self.args
         splits, cols_per_split = self.split
         dummy = marked
         src, weight, n_hidden, *strides = src_args(source)
@@ -111,12 +100,12 @@ class _Launch:
         shift_in = shifts[0].contiguous() if sums else dummy
         sub_in = shifts[1].contiguous() if sums and stats.sub_shift is not None else dummy
         invariant_tile_kernel[(triton.cdiv(source.n_rows, b.m), splits)](
-            src, weight, or_dummy(self.keep, dummy), or_dummy(self.marks, dummy), or_dummy(self.scale_t, dummy),
+            src, weight, *a.pointers(dummy),
             shift_in, sub_in, shift_out, sub_out, marked, ints[0], ints[1], ints[2],
-            source.n_rows, source.n_valid, n_hidden, cols_per_split, self.scale_v, float(2 ** FIXED_BITS),
-            *strides, self.s_keep_r, self.s_keep_c,
-            SUMS=sums, K=self.k, FUSED=source.fused, ROW_SCALE=self.scale_t is not None,
+            source.n_rows, source.n_valid, n_hidden, cols_per_split, a.scale_value, float(2 ** FIXED_BITS),
+            *strides, *a.keep_strides,
+            SUMS=sums, K=self.k, FUSED=source.fused, ROW_SCALE=a.scale is not None,
             HAS_REST=stats.rest is not None, HAS_MOMENT=stats.moment is not None,
-            HAS_SUB=stats.sub_shift is not None, HAS_KEEP=self.keep is not None,
+            HAS_SUB=stats.sub_shift is not None, HAS_KEEP=a.keep is not None,
             **b.launch(source.first.dtype),
         )

@@ -90,6 +90,32 @@ def src_args(source: Source) -> tuple[torch.Tensor, torch.Tensor, int, int, int,
     return x, x, 0, x.stride(0), x.stride(1), 0, 0
 
 
+@dataclass(frozen=True)
+class TileArgs:
+    """A launch's per-row arguments made from the op's tensors: the kept columns (int8, with its
+    strides), the marked ids' local columns and 1/τ per row; None where the call has none (the
+    kernel's flag off), `scale_value` the one 1/τ of every row when `scale` is None."""
+
+    keep: torch.Tensor | None
+    keep_strides: tuple[int, int]
+    marks: torch.Tensor | None
+    scale: torch.Tensor | None
+    scale_value: float
+
+    def pointers(self, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keep, marks, scale) as kernel arguments, `dummy` for each one absent."""
+        keep, marks, scale = (dummy if t is None else t for t in (self.keep, self.marks, self.scale))
+        return keep, marks, scale
+
+
+def tile_args(keep_mask: torch.Tensor | None, scale: float | torch.Tensor, dtype: torch.dtype,
+              marked: tuple[torch.Tensor, torch.Tensor] | None = None) -> TileArgs:
+    """The launch's `TileArgs`: `marked` the marked ids' (local columns, owned here) when it has any."""
+    keep, s_keep_r, s_keep_c = keep_arg(keep_mask)
+    scale_t, scale_v = scale_args(scale, dtype)
+    return TileArgs(keep, (s_keep_r, s_keep_c), None if marked is None else marks_arg(*marked), scale_t, scale_v)
+
+
 def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A kernel argument for an optional tensor (flagged off in the kernel when absent)."""
     return dummy if t is None else t.contiguous()

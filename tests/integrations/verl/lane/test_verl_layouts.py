@@ -15,6 +15,10 @@ with verl's `ppo_loss` (entropy bonus on):
   and the loss): the per-token KL against the dense float64 (k+1)-bucket KL of the TP=1/CP=1
   model, and its gradients against the same dense KL computed in the same layout from verl's
   vocab-parallel logits.
+- MEGATRON_RL_PATCHES_SHARED_PREFIX=1 through verl's real `forward_backward_batch` (at TP=1 and
+  TP=2; `prefix_checks`): both routes' training step and the forward-only pass against the same
+  passes packed whole, the embedding's rows against the samples' trie, and a verl layout the plan
+  cannot run refused alike on every rank.
 Negative controls: a CP model whose attention reads the rows in the other layout than verl's
 packing (contiguous) is far from float64; the dense KL without the tail buckets (verl's sum) too."""
 from __future__ import annotations
@@ -29,6 +33,7 @@ pytest.importorskip("verl.models", reason="verl is not installed: run `make test
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
 import verl_kit as kit  # noqa: E402
+from prefix_checks import PREFIX_TOLERANCE, prefix_checks, refusal  # noqa: E402
 from verl_kit import CONTROL, ENTROPY_COEFF, PROMPTS, REL, RESPONSES, TEMPERATURE  # noqa: E402
 
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
@@ -310,10 +315,13 @@ def _world(rank: int, world_size: int) -> dict:
     with megatron_on_cpu():
         refs = _references()
     with megatron_on_cpu():  # DP=2
-        results = {"distopt": _distopt_checks()}
+        results = {"distopt": _distopt_checks(), "prefix-tp1": prefix_checks(_model("tp1"), align=1)}
     for name, (parallel, *_) in LAYOUTS.items():
         with megatron_on_cpu(**parallel):
             results[name] = _layout_checks(name, refs)
+            if name == "tp2":
+                results["prefix-tp2"] = prefix_checks(_model(name), align=2)
+                results["prefix-refusal"] = refusal(_model(name))
     return results
 
 
@@ -375,3 +383,32 @@ def test_distributed_optimizer_gathers_before_the_fused_route_reads(layouts_worl
         assert got["same_names"] and max(got["log_probs"], got["entropy"], got["grads"]) < REL, got
         assert not got["pending"]  # every parameter all-gather was waited for
         assert got["control_before_the_step"] > CONTROL  # the step changed the weights the route reads
+
+
+@pytest.mark.parametrize("layout", [pytest.param("tp1", marks=layouts.mark("thd")),
+                                    pytest.param("tp2", marks=layouts.mark("tp2", "thd"))])
+def test_shared_prefix_equals_each_sample_packed_whole_in_verls_passes(layouts_world, layout):
+    """MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against off, through verl's real forward_backward_batch:
+    both routes' training step and forward-only pass the same within 1e-6 (fp32), every gradient
+    too, and the embedding runs the samples' trie (as verl pads them) instead of every packed row."""
+    for rank, result in enumerate(layouts_world):
+        got = result[f"prefix-{layout}"]
+        print(layout, rank, got)
+        for what in ("unfused-train", "fused-train", "unfused-forward"):
+            checks = got[what]
+            errors = {key: checks[key] for key in ("log_probs", "entropy", "loss", "grads") if key in checks}
+            assert errors and max(errors.values()) < PREFIX_TOLERANCE, (what, errors)
+            assert checks["rows_whole"] == [got["logical_rows"]], what
+            assert checks["rows_planned"] == [got["trie_rows"]] and got["trie_rows"] < got["logical_rows"], what
+            if "grads" in checks:
+                assert checks["same_names"] and checks["control"] > CONTROL, what
+
+
+def test_a_verl_layout_a_plan_cannot_run_is_refused_alike_on_every_rank(layouts_world):
+    """Each rank's own reason (rank 0: use_remove_padding=False, rank 1: MTP training), one ValueError."""
+    first, second = (result["prefix-refusal"] for result in layouts_world)
+    print(first)
+    assert first == second
+    for named in ("MEGATRON_RL_PATCHES_SHARED_PREFIX=1", "use_remove_padding=False", "mtp.enable_train=True",
+                  "MEGATRON_RL_PATCHES_SHARED_PREFIX=0"):
+        assert named in first, named

@@ -106,20 +106,21 @@ def distillation_config(topk: int, clamp: float | None = -10.0, **loss_fields: A
 
 
 def rl_batch(prompts: tuple[int, ...], responses: tuple[int, ...], vocab: int = VOCAB, temperature: float = 0.7,
-             seed: int = 0, **extra: Any) -> Any:
+             seed: int = 0, ids: list[torch.Tensor] | None = None, **extra: Any) -> Any:
     """A verl actor micro-batch as its trainer builds it (`ray_trainer`'s `_update_actor`): the
     rollout's left-padded prompts and right-padded responses ([b, P + R] `input_ids`,
     `attention_mask`, `position_ids`; [b, R] `response_mask`, `old_log_probs`, `advantages`;
     `prompts` / `responses`) through verl's own `left_right_2_no_padding`, which nests
     `input_ids` / `position_ids` and sets `loss_mask` to the padded, response-aligned
     `response_mask` (no whole-sequence mask); the global-batch numbers verl's losses normalize by
-    and `extra` non-tensor keys beside them."""
+    and `extra` non-tensor keys beside them. `ids`: each sample's prompt and response (random ids otherwise)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     gen = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, vocab, (p + r,), generator=gen) for p, r in zip(prompts, responses)]
+    random = [torch.randint(0, vocab, (p + r,), generator=gen) for p, r in zip(prompts, responses)]
+    ids = random if ids is None else ids
     # near a fresh model's log-probs (about -log V): PPO ratios inside and outside the clip range
     old = [-math.log(vocab) + 0.1 * torch.randn(r, generator=gen) for r in responses]
     advantages = [torch.randn(r, generator=gen) for r in responses]

@@ -58,15 +58,23 @@ def swiglu_params(hf: str = "mlp.", megatron: str = "mlp.") -> dict[str, Param]:
             megatron + "linear_fc2.weight": Param((hf + "down_proj.weight",), ROW)}
 
 
-def moe_tensors(arch: HFArchitecture) -> dict[str, Shape]:
-    """The router and one expert's SwiGLU (`{e}`: every expert has the same)."""
-    return {"mlp.gate.weight": (arch.num_experts, arch.hidden_size),
-            **swiglu_tensors(arch, "mlp.experts.{e}.", arch.expert_ffn_hidden_size)}
+def moe_tensors(arch: HFArchitecture, shared: str | None = None) -> dict[str, Shape]:
+    """The router and one expert's SwiGLU (`{e}`: every expert has the same); the shared expert
+    under the checkpoint's prefix `shared` where `arch` has one."""
+    out = {"mlp.gate.weight": (arch.num_experts, arch.hidden_size),
+           **swiglu_tensors(arch, "mlp.experts.{e}.", arch.expert_ffn_hidden_size)}
+    if shared is not None and arch.shared_expert_ffn:
+        out.update(shared_expert_tensors(arch, shared))
+    return out
 
 
-def moe_params() -> dict[str, Param]:
-    return {"mlp.router.weight": Param(("mlp.gate.weight",), REPLICATE),
-            **swiglu_params("mlp.experts.{e}.", "mlp.experts.local_experts.{e}.")}
+def moe_params(arch: HFArchitecture, shared: str | None = None) -> dict[str, Param]:
+    """megatron-core's router and local experts; its shared experts as `moe_tensors`' (`shared`)."""
+    out = {"mlp.router.weight": Param(("mlp.gate.weight",), REPLICATE),
+           **swiglu_params("mlp.experts.{e}.", "mlp.experts.local_experts.{e}.")}
+    if shared is not None and arch.shared_expert_ffn:
+        out.update(shared_expert_params(arch, shared))
+    return out
 
 
 def moe_config(arch: HFArchitecture) -> dict[str, Any]:

@@ -20,8 +20,6 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     moe_config,
     moe_params,
     moe_tensors,
-    shared_expert_params,
-    shared_expert_tensors,
     swiglu_params,
     swiglu_tensors,
 )
@@ -59,17 +57,15 @@ def read(config: dict[str, Any], source: str) -> HFArchitecture:
 def layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
     if layer < arch.dense_layers:
         return {**attention_tensors(arch), **swiglu_tensors(arch)}
-    shared = shared_expert_tensors(arch, SHARED) if arch.shared_expert_ffn else {}
-    return {**attention_tensors(arch), **moe_tensors(arch), "mlp.gate.e_score_correction_bias": (arch.num_experts,),
-            **shared}
+    return {**attention_tensors(arch), **moe_tensors(arch, SHARED),
+            "mlp.gate.e_score_correction_bias": (arch.num_experts,)}
 
 
 def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
     if layer < arch.dense_layers:
         return {**attention_params(arch), **swiglu_params()}
-    shared = shared_expert_params(arch, SHARED) if arch.shared_expert_ffn else {}
-    return {**attention_params(arch), **moe_params(),
-            "mlp.router.expert_bias": Param(("mlp.gate.e_score_correction_bias",), REPLICATE), **shared}
+    return {**attention_params(arch), **moe_params(arch, SHARED),
+            "mlp.router.expert_bias": Param(("mlp.gate.e_score_correction_bias",), REPLICATE)}
 
 
 FAMILY = Family(

@@ -15,8 +15,6 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     moe_config,
     moe_params,
     moe_tensors,
-    shared_expert_params,
-    shared_expert_tensors,
 )
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
 from megatron_rl_patches.inference.loading.hf.families.fields import ROUTED, SLIDING
@@ -33,13 +31,11 @@ def read(config: dict[str, Any], source: str) -> HFArchitecture:
 
 
 def layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
-    shared = shared_expert_tensors(arch, SHARED) if arch.shared_expert_ffn else {}
-    return {**attention_tensors(arch), **moe_tensors(arch), **shared}
+    return {**attention_tensors(arch), **moe_tensors(arch, SHARED)}
 
 
 def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
-    shared = shared_expert_params(arch, SHARED) if arch.shared_expert_ffn else {}
-    return {**attention_params(arch), **moe_params(), **shared}
+    return {**attention_params(arch), **moe_params(arch, SHARED)}
 
 
 FAMILY = Family(

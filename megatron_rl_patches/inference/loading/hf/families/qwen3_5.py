@@ -24,8 +24,6 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     moe_params,
     moe_tensors,
     needs_config_field,
-    shared_expert_params,
-    shared_expert_tensors,
     stage_args,
     swiglu_params,
     swiglu_tensors,
@@ -182,13 +180,13 @@ def linear_attention_params() -> dict[str, Param]:
 def mlp_tensors(arch: HFArchitecture) -> dict[str, Shape]:
     if not arch.is_moe:
         return swiglu_tensors(arch)
-    return {**moe_tensors(arch), **(shared_expert_tensors(arch, SHARED) if arch.shared_expert_ffn else {})}
+    return moe_tensors(arch, SHARED)
 
 
 def mlp_params(arch: HFArchitecture) -> dict[str, Param]:
     if not arch.is_moe:
         return swiglu_params()
-    return {**moe_params(), **(shared_expert_params(arch, SHARED) if arch.shared_expert_ffn else {})}
+    return moe_params(arch, SHARED)
 
 
 NORMS = {"input_layernorm.weight": Param(("input_layernorm.weight",), CENTRED),

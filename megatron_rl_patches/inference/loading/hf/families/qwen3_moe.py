@@ -37,7 +37,7 @@ def layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
 
 
 def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
-    return {**attention_params(arch), **moe_params()}
+    return {**attention_params(arch), **moe_params(arch)}
 
 
 FAMILY = Family(
