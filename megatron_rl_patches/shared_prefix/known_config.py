@@ -119,13 +119,17 @@ def _moe(exact: str, test: Callable[[Any, Settings], bool], what: str, why: str)
 
 LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 STATISTICS_WHY = ("the router counts each shared token once per sample by routing the samples' own rows, which "
-                  "sequence parallelism (each rank holds a share of the shared rows) and a MoE layer recomputed "
-                  "alone (its router run outside the layer's call) do not allow; run without them or set the "
-                  "statistic's coefficient to 0")
+                  "a MoE layer recomputed alone (its router run outside the layer's call) does not allow; recompute "
+                  "whole layers or none, or set the statistic's coefficient to 0")
 
 
 def _one(s: Settings, kind: str) -> bool:
     return int(s.get(f"{kind}_model_parallel_size") or 1) == 1
+
+
+def _split_rows(s: Settings) -> bool:
+    """Sequence parallelism over more than one rank: each rank holds a share of the rows."""
+    return bool(s.get("sequence_parallel")) and not _one(s, "tensor")
 
 
 def _context_parallel_served(s: Settings) -> bool:
@@ -138,7 +142,7 @@ def _context_parallel_served(s: Settings) -> bool:
 def _statistics(s: Settings) -> bool:
     """The router's statistics counted on each sample's own rows (shared_prefix/moe_statistics.py)."""
     recomputed = set(s.get("recompute_modules") or []) if s.get("recompute_granularity") == "selective" else set()
-    return not s.get("sequence_parallel") and not recomputed & {"moe", "mlp"}
+    return not recomputed & {"moe", "mlp"}
 UNTESTED = "the plan has not been tested with it; leave it at its default or do not share this model's prefixes"
 
 FIELDS: dict[str, Known] = {
@@ -155,19 +159,17 @@ FIELDS: dict[str, Known] = {
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),
     "multi_latent_attention": checked(
-        "False; True without fused or interleaved RoPE at PP = 1 (tested at 1 rank, TP = 2, TP = 2 + SP)",
-        lambda value, s, training: not value or (not s.get("apply_rope_fusion") and not s.get("rotary_interleaved")
-                                                 and _one(s, "pipeline")),
-        what="multi-latent attention at this layout (fused or interleaved RoPE, pipeline parallelism)",
-        why="its rotary table is read at each token's own position only on the unfused path, tested on one "
-            "pipeline stage; set apply_rope_fusion=False and rotary_interleaved=False, or run it without pipeline "
-            "parallelism"),
+        "False; True without fused or interleaved RoPE (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
+        lambda value, s, training: not value or (not s.get("apply_rope_fusion") and not s.get("rotary_interleaved")),
+        what="multi-latent attention with fused or interleaved RoPE",
+        why="its rotary table is read at each token's own position only on the unfused, non-interleaved path; set "
+            "apply_rope_fusion=False and rotary_interleaved=False"),
     "mtp_num_layers": checked(
-        "None, 0; 1 or 2 at TP = 1 and PP = 1 (tested)",
-        lambda value, s, training: not value or (int(value) <= 2 and _one(s, "tensor") and _one(s, "pipeline")),
-        what="multi-token prediction at this depth or layout",
-        why="its block runs on each sample's own tokens, tested at depths 1 and 2 on one tensor- and pipeline-"
-            "parallel rank; run it there or do not share this model's prefixes"),
+        "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
+        lambda value, s, training: not value or int(value) <= 2,
+        what="multi-token prediction at this depth",
+        why="its block runs on each sample's own tokens, tested at depths 1 and 2; run it there or do not share "
+            "this model's prefixes"),
     "softmax_type": only("vanilla", "off-by-one", "learnable", what="this softmax",
                          why="the package's attention adds megatron-core's sink (softmax_offset) for off-by-one and "
                              "learnable sinks only; use one of them or do not share this model's prefixes"),
@@ -211,25 +213,29 @@ FIELDS: dict[str, Known] = {
     "moe_token_dropping": _moe("False", lambda v, s: not v, "MoE token dropping",
                                "which tokens drop depends on the batch's tokens"),
     "moe_router_load_balancing_type": _moe_training(
-        f"{' or '.join(map(repr, LOSSES))} in training (their statistics as below); any in forward-only passes",
-        lambda v, s: set(_kinds(v)) <= set(LOSSES), "MoE quantile load balancing in training",
-        "it balances over the batch's tokens with a running estimate the package has not shown exact; use 'none', "
-        "an aux loss or Sinkhorn"),
+        f"{' or '.join(map(repr, LOSSES))} in training (their statistics as below; Sinkhorn without sequence "
+        "parallelism); any in forward-only passes",
+        lambda v, s: set(_kinds(v)) <= set(LOSSES) and not ("sinkhorn" in _kinds(v) and _split_rows(s)),
+        "MoE quantile load balancing, or Sinkhorn's under sequence parallelism, in training",
+        "quantile balancing keeps a running estimate over the batch's tokens the package has not shown exact; "
+        "Sinkhorn balances each rank's share of the rows on its own, so under sequence parallelism the samples "
+        "sharing a prefix token route it differently on different ranks, where the plan computes it once; use "
+        "'none' or an aux loss (Sinkhorn runs exact without sequence parallelism)"),
     "moe_aux_loss_coeff": _moe_training(
-        "any in training where the router's statistics run on each sample's tokens (not under SP, MoE not "
-        "recomputed alone; tested at 1 rank and EP = 2)",
+        "any in training where the router's statistics run on each sample's tokens (MoE not recomputed alone; "
+        "tested at 1 rank, EP = 2, TP = 2 + SP with EP = 2)",
         lambda v, s: _zero(v) or set(_kinds(s.get("moe_router_load_balancing_type"))) == {"none"} or _statistics(s),
-        "MoE load balancing in training under sequence parallelism or a recomputed MoE layer",
+        "MoE load balancing in training with the MoE layer recomputed alone",
         STATISTICS_WHY),
     "moe_z_loss_coeff": _moe_training("any in training where the router's statistics run on each sample's tokens",
                                       lambda v, s: _zero(v) or _statistics(s),
-                                      "MoE z-loss in training under sequence parallelism or a recomputed MoE layer",
+                                      "MoE z-loss in training with the MoE layer recomputed alone",
                                       STATISTICS_WHY),
     "moe_router_enable_expert_bias": _moe_training(
         "False; True with moe_router_bias_update_rate 0; True with any rate where the router's statistics run on "
         "each sample's tokens",
         lambda v, s: not v or _zero(s.get("moe_router_bias_update_rate")) or _statistics(s),
-        "MoE expert bias updated in training under sequence parallelism or a recomputed MoE layer",
+        "MoE expert bias updated in training with the MoE layer recomputed alone",
         STATISTICS_WHY),
     "moe_router_bias_update_rate": READ_WITH,
     "moe_router_force_load_balancing": _moe("False", lambda v, s: not v, "MoE forced load balancing",

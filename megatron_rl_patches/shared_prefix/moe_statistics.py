@@ -25,8 +25,18 @@ even when the call raises (`always_call`) clears it: the plan still comes from t
 arguments and never outlives the call (no module state, nothing leaking into the next micro-batch
 or an unplanned call). Full activation recompute reruns the layer's call, hooks included. A
 recompute of the MLP or MoE module alone reruns the router outside the layer's call, so it is
-refused by name when a statistic is on, as is sequence parallelism (each rank's share of the
-physical rows is not a share of the logical ones the statistics divide by)."""
+refused by name when a statistic is on.
+
+Under sequence parallelism each rank holds a share of the physical rows, and the packed path's
+rank r routes the r-th share of the logical rows (its statistics reduced over the group by
+megatron-core itself). So a planned router gathers the shares' logits (T_physical × E numbers),
+routes the r-th share of the logical rows with megatron-core's own `routing` (the same rows, the
+same group reductions, the same z-loss share as the packed path's rank r), gathers the routed
+shares back and hands each of its own physical rows the routing of a logical row that reads it.
+Both gathers send their gradient back reduce-scattered, so each row's gradient is the sum of what
+every rank made of it. Sinkhorn in training cannot be exact there: each rank balances its own
+share of the rows, so the copies of a prefix token that land on different ranks route differently
+in the packed path, where the plan computes the token once; it is refused by name."""
 from __future__ import annotations
 
 import contextvars
@@ -98,6 +108,27 @@ def _reader(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
     return plan.cached(("moe-reader", str(torch.device(device))), build)
 
 
+def _sequence_shares(router: Any, plan: SharedPrefixPlan, rows: int) -> tuple[int, int, Any] | None:
+    """(ranks, this rank, group) where `router` sees this rank's sequence-parallel share of the plan's
+    stream; None where it sees the whole stream."""
+    if rows == plan.physical_length:
+        return None
+    from megatron.core import parallel_state
+
+    count = parallel_state.get_tensor_model_parallel_world_size()
+    if not getattr(router.config, "sequence_parallel", False) or count < 2 or rows * count != plan.physical_length:
+        raise ValueError(f"shared prefix: the router sees {rows} rows, the plan's stream {plan.physical_length}: a "
+                         "router's statistics are counted on the whole stream or on its sequence-parallel share")
+    if router.routing_type == "sinkhorn":
+        raise ValueError("shared prefix: Sinkhorn load balancing in training under sequence parallelism is not taken "
+                         "with a shared-prefix plan (each rank balances its share of the rows on its own, so a prefix "
+                         "token its samples hold on different ranks routes differently in each)")
+    if plan.logical_length % count:
+        raise ValueError(f"shared prefix: under sequence parallelism the packed micro-batch ({plan.logical_length} "
+                         f"tokens) must split evenly over the {count} tensor-parallel ranks")
+    return count, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
+
+
 class PlannedRouter:
     """The mark of a router whose class `planned_router_class` made."""
 
@@ -110,18 +141,28 @@ def planned_router_class(cls: Any) -> type:
         plan = LAYER_PLAN.get()
         if plan is None or not self.training or not counts_statistics(self):
             return cls.routing(self, logits, *args, **kwargs)
-        rows = logits.shape[0] * logits.shape[1]
-        if rows != plan.physical_length:
-            raise ValueError(f"shared prefix: the router sees {rows} rows, the plan's stream {plan.physical_length}: "
-                             "MoE routing statistics in training under sequence parallelism are not taken with a "
-                             "shared-prefix plan (each rank's share of the physical rows is not one of the logical)")
         if args or kwargs.get("padding_mask") is not None:
             raise ValueError("shared prefix: a padding mask is not taken with a shared-prefix plan")
+        rows = logits.shape[0] * logits.shape[1]
         flat = logits.reshape(rows, logits.shape[-1])
-        logical = flat.index_select(0, plan.on(flat.device, "logical_rows"))
-        probs, routing_map = cls.routing(self, logical.unsqueeze(1))
-        reader = _reader(plan, probs.device)
-        return probs.index_select(0, reader), routing_map.index_select(0, reader)
+        shares = _sequence_shares(self, plan, rows)
+        if shares is None:
+            logical = flat.index_select(0, plan.on(flat.device, "logical_rows"))
+            probs, routing_map = cls.routing(self, logical.unsqueeze(1))
+            reader = _reader(plan, probs.device)
+            return probs.index_select(0, reader), routing_map.index_select(0, reader)
+        from megatron.core import tensor_parallel
+
+        count, rank, group = shares
+        whole = tensor_parallel.gather_from_sequence_parallel_region(flat, group=group)
+        share = plan.logical_length // count
+        mine = plan.on(flat.device, "logical_rows")[rank * share:(rank + 1) * share]
+        probs, routing_map = cls.routing(self, whole.index_select(0, mine).unsqueeze(1))
+        every_probs = tensor_parallel.gather_from_sequence_parallel_region(probs, group=group)
+        with torch.no_grad():  # gloo gathers no bool: the routing map as bytes
+            every_map = tensor_parallel.gather_from_sequence_parallel_region(routing_map.to(torch.uint8), group=group)
+        reader = _reader(plan, probs.device)[rank * rows:(rank + 1) * rows]
+        return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedRouter), {"routing": routing, "__module__": cls.__module__,
                                                                      "__doc__": cls.__doc__})

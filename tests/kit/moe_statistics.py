@@ -82,13 +82,14 @@ def read_statistics(model: Any, bias_before: list[torch.Tensor]) -> dict[str, An
     return {"losses": losses, "counts": counts, "bias": bias}
 
 
-def statistics_pass(model: Any, batch: PackedBatch, route: Any) -> dict[str, Any]:
+def statistics_pass(model: Any, batch: PackedBatch, route: Any, tp_group: Any = None) -> dict[str, Any]:
     """One training pass of `batch` by `route` (the kit's `ordinary` or `planned`): log-probs,
-    gradients, the logged MoE losses per layer, the token counts and the bias after the update."""
+    gradients, the logged MoE losses per layer, the token counts and the bias after the update
+    (`tp_group`: the vocabulary split over it)."""
     from megatron_rl_patches.testing.compare import collect_grads
 
     bias_before = reset_statistics(model)
     model.train()
-    log_probs, entropy = scores(route(model, batch), batch)
+    log_probs, entropy = scores(route(model, batch), batch, tp_group)
     objective(log_probs, entropy).backward()
     return {"log_probs": log_probs.detach(), "grads": collect_grads(model), **read_statistics(model, bias_before)}

@@ -118,12 +118,12 @@ def planned(model: Any, batch: PackedBatch, route: str = "auto", pad_to: int = 1
     return model(batch.tokens, None, None, packed_seq_params=params, **kwargs)
 
 
-def scores(logits: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, entropy) of the sample rows from [1, T, V] logits."""
+def scores(logits: torch.Tensor, batch: PackedBatch, tp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) of the sample rows from [1, T, V] logits (`tp_group`: V split over it)."""
     from megatron_rl_patches import log_probs_and_entropy
 
     rows = logits[0, batch.rows]
-    return log_probs_and_entropy(rows, batch.labels[0, batch.rows], with_entropy=True)
+    return log_probs_and_entropy(rows, batch.labels[0, batch.rows], tp_group=tp_group, with_entropy=True)
 
 
 def objective(log_probs: torch.Tensor, entropy: torch.Tensor, seed: int = 5) -> torch.Tensor:

@@ -142,8 +142,8 @@ def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe
     assert relative_error(got[0], want[0]) < TOL and grad_error(got[2], want[2]) < GRAD_TOL[torch.float32]
     recomputed = _model("rope-gqa", **{**moe, "moe_aux_loss_coeff": 0.01, "recompute_granularity": "selective",
                                        "recompute_modules": ["moe"]})
-    with pytest.raises(ValueError, match=r"MoE load balancing in training under sequence parallelism or a "
-                                         r"recomputed MoE layer \(moe_aux_loss_coeff=0.01"):
+    with pytest.raises(ValueError, match=r"MoE load balancing in training with the MoE layer recomputed alone "
+                                         r"\(moe_aux_loss_coeff=0.01"):
         check_shared_prefix(recomputed, training=True)  # its router would run outside the layer's call
     balanced = _model("rope-gqa", **{**moe, "moe_aux_loss_coeff": 0.01})
     check_shared_prefix(balanced, training=True)  # the router's statistics on each sample's rows (moe_statistics)
@@ -161,10 +161,8 @@ REFUSALS = {
     "pp2-fixed-lengths": (dict(pipeline_model_parallel_size=2), False, "variable_seq_lengths"),
     "moe-token-dropping": (dict(num_moe_experts=4, moe_expert_capacity_factor=1.0), False, "token dropping"),
     "moe-quantile": (dict(num_moe_experts=4, moe_router_load_balancing_type="quantile"), True, "quantile"),
-    "moe-z-loss-sp": (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3, sequence_parallel=True),
-                      True, "z-loss"),
-    "moe-expert-bias-sp": (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True,
-                                sequence_parallel=True), True, "expert bias"),
+    "moe-sinkhorn-sp": (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn", sequence_parallel=True,
+                             tensor_model_parallel_size=2), True, "Sinkhorn's under sequence parallelism"),
 }
 
 

@@ -68,7 +68,8 @@ ALLOWED = {
     "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),
     "experimental_attention_variant": ("gated_delta_net", {}, True),  # test_planned_gated_delta_net.py
-    "multi_latent_attention": (True, {}, True),  # tests/shared_prefix/test_latent_attention.py
+    "multi_latent_attention": (True, {"pipeline_model_parallel_size": 2, "variable_seq_lengths": True,
+                                      "moe_token_dispatcher_type": "alltoall"}, True),  # test_layouts.py at PP = 2
     "hidden_dropout": (0.1, {}, False),
     "attention_dropout": (0.1, {}, False),
     "position_embedding_type": ("none", {}, True),
@@ -78,11 +79,14 @@ ALLOWED = {
 }
 # the router's statistics on each sample's own rows (tests/shared_prefix/test_moe_statistics.py, test_mtp.py)
 ALLOWED_TOO = {
-    "mtp_num_layers": (2, {}, True),
+    "mtp_num_layers": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "variable_seq_lengths": True,
+                           "pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
+                       True),  # and test_layouts.py: TP = 2, TP = 2 + SP, PP = 2
     "moe_router_load_balancing_type": ("sinkhorn", MOE, True),
     "moe_aux_loss_coeff": (0.01, MOE, True),
-    "moe_z_loss_coeff": (1e-3, MOE, True),
-    "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 1e-3}, True),
+    "moe_z_loss_coeff": (1e-3, {**MOE, "tensor_model_parallel_size": 2, "sequence_parallel": True}, True),
+    "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 1e-3, "sequence_parallel": True,
+                                             "tensor_model_parallel_size": 2}, True),  # and test_layouts.py: TP 2 + SP
 }
 
 
