@@ -90,5 +90,8 @@ def test_a_window_reaching_later_tokens_is_refused_by_name():
     assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=None), 1) == 4
     assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=[0, 1]), 1) is None
     assert layer_window(SimpleNamespace(window_size=(-1, 0), window_attn_skip_freq=None), 1) is None
+    assert layer_window(SimpleNamespace(window_size=(0, 0), window_attn_skip_freq=None), 1) == 0  # itself only
+    every_third = SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=3)
+    assert [layer_window(every_third, layer) for layer in (1, 2, 3, 4)] == [4, 4, None, 4]
     with pytest.raises(ValueError, match=r"window_size=\(4, 2\) lets a token see 2 later ones"):
         layer_window(SimpleNamespace(window_size=(4, 2), window_attn_skip_freq=None), 1)
