@@ -166,8 +166,10 @@ def test_the_flex_route_runs_the_tree_rule_on_cpu():
     with warnings.catch_warnings():  # torch warns once a process that it runs FlexAttention eagerly
         warnings.simplefilter("ignore", UserWarning)
         flex = shared_prefix_attention(q, k, v, plan, scale=0.25, route="flex")
+        windowed = shared_prefix_attention(q, k, v, plan, scale=0.25, route="flex", window=3)  # its own mask
     rows = plan.logical_rows[:cu[len(samples)]]
     assert (flex[rows].double() - _reference(q, k, v, plan, cu, samples, 0.25)).abs().max() < 1e-5
+    assert (windowed[rows].double() - _reference(q, k, v, plan, cu, samples, 0.25, 3)).abs().max() < 1e-5
 
 
 def test_the_prefix_keys_are_kept_once_and_grouped():
