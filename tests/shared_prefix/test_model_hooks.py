@@ -130,6 +130,7 @@ def test_ordinary_calls_are_unchanged_bit_for_bit_after_prepare(megatron_cpu):
     assert torch.equal(ordinary(model, batch).detach(), before)
     hooks = model._forward_pre_hooks
     assert len(hooks) == 1
+    assert [len(layer.self_attention._forward_pre_hooks) for layer in model.decoder.layers] == [1, 1]
 
 
 def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe_router_on_cpu):
@@ -220,10 +221,12 @@ def test_bad_input_is_refused_by_name_and_an_unprepared_model_never_computes_sil
     negative.logical_tokens[3] = -1
     with pytest.raises(ValueError, match="token id -1 is negative: the model's ids are 0 to 63"):
         model(negative.logical_tokens[None].clone(), None, None, packed_seq_params=shared_prefix_params(negative))
-    with pytest.raises(TypeError, match="must be a SharedPrefixPlan"):
+    with pytest.raises(TypeError, match=r"^shared_prefix_params: plan must be a SharedPrefixPlan, got Tensor$"):
         shared_prefix_params(batch.tokens)
     with pytest.raises(ValueError, match="no megatron-core language model"):
         prepare_shared_prefix([torch.nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match=r"^prepare_shared_prefix: expected megatron-core model chunks, got str$"):
+        prepare_shared_prefix(["a model"])
     assert torch.equal(batch.tokens, grpo_batch().tokens)  # the caller's tensors untouched
 
 
@@ -304,6 +307,19 @@ def test_a_chunk_added_after_prepare_is_prepared_and_the_decoders_output_is_chec
     params = shared_prefix_params(grpo_batch().plan())
     with pytest.raises(ValueError, match=r"^shared prefix: the decoder returned tuple, not its hidden states$"):
         logical_rows(second.decoder, (), {"packed_seq_params": params}, (torch.zeros(1),))
+
+
+def test_a_decoder_input_given_is_taken_as_the_plans_physical_rows(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+
+    batch = grpo_batch()
+    model = prepare_shared_prefix(_model("rope-gqa"))
+    plan = batch.plan()
+    params = shared_prefix_params(plan)
+    with torch.no_grad():
+        want = model(batch.tokens, None, None, packed_seq_params=params)
+        rows = model.embedding(input_ids=plan.tokens[None], position_ids=plan.positions[None])
+        assert torch.equal(model(None, None, None, decoder_input=rows, packed_seq_params=params), want)
 
 
 def test_the_language_models_refusals_are_said_whole(megatron_cpu):
