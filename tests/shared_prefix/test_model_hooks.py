@@ -331,6 +331,12 @@ def test_the_language_models_refusals_are_said_whole(megatron_cpu):
     with pytest.raises(ValueError, match=rf"^shared prefix: input_ids must be the packed ids the plan was built from, "
                                          rf"\[1, {batch.tokens.size(1)}\], got list$"):
         model(batch.tokens[0].tolist(), None, None, packed_seq_params=params)
+    from megatron_rl_patches.shared_prefix.model_hooks import rotary_at_positions
+
+    short = {"attention_mask": None, "rotary_pos_emb": torch.zeros(3, 1, 1, 8), "packed_seq_params": params}
+    with pytest.raises(ValueError, match=rf"^shared prefix: the model's rotary table has 3 rows, the plan's longest "
+                                         rf"sample {batch.plan().longest}$"):
+        rotary_at_positions(model.decoder.layers[0].self_attention, (torch.zeros(1),), short)
     other = batch.tokens.clone()
     other[0, 3] = (other[0, 3] + 1) % 64
     with pytest.raises(ValueError, match=r"^shared prefix: input_ids differ from the ids the plan was built from "
