@@ -166,8 +166,10 @@ def test_the_flex_route_runs_the_tree_rule_on_cpu():
     with warnings.catch_warnings():  # torch warns once a process that it runs FlexAttention eagerly
         warnings.simplefilter("ignore", UserWarning)
         flex = shared_prefix_attention(q, k, v, plan, scale=0.25, route="flex")
+        windowed = shared_prefix_attention(q, k, v, plan, scale=0.25, route="flex", window=3)  # its own mask
     rows = plan.logical_rows[:cu[len(samples)]]
     assert (flex[rows].double() - _reference(q, k, v, plan, cu, samples, 0.25)).abs().max() < 1e-5
+    assert (windowed[rows].double() - _reference(q, k, v, plan, cu, samples, 0.25, 3)).abs().max() < 1e-5
 
 
 def test_the_prefix_keys_are_kept_once_and_grouped():
@@ -243,3 +245,41 @@ def test_a_window_and_a_sink_are_checked():
         shared_prefix_attention(q, k, v, plan, scale=0.5, window=-1)
     with pytest.raises(ValueError, match="the flex route takes no attention sink"):
         shared_prefix_attention(q, k, v, plan, scale=0.5, route="flex", sink=torch.zeros(HEADS))
+
+
+def test_narrower_values_the_dropout_route_and_the_edges_are_exact_or_refused_whole():
+    """Values narrower than queries and keys (multi-latent attention's) against float64; dropout's
+    dense route reshaped as the mask route, taking the window and the sink (same seed, same draws);
+    `auto` on CPU is the mask route; an empty stream; the head and width refusals said whole; the
+    dense route in bfloat16 with a sink near the float32 blocks."""
+    from megatron_rl_patches.shared_prefix.attention import chosen_route, rule_masked_attention
+
+    samples, cu, plan = _tree(per_turn=True)
+    gen = torch.Generator().manual_seed(9)
+    length = plan.physical_length
+    q, k = (torch.randn(length, 2, n, WIDTH, generator=gen, dtype=torch.float64) for n in (HEADS, GROUPS))
+    v = torch.randn(length, 2, GROUPS, 6, generator=gen, dtype=torch.float64)
+    out = shared_prefix_attention(q, k, v, plan, scale=0.3, route="mask")
+    assert out.shape == (length, 2, HEADS * 6)
+    rows = plan.logical_rows[:cu[len(samples)]]
+    assert (out[rows] - _reference(q, k, v, plan, cu, samples, 0.3)).abs().max() < 1e-12
+    with pytest.raises(ValueError, match=r"^shared-prefix attention: values wider \(10\) than queries and keys \(8\) "
+                                         r"are not taken$"):
+        shared_prefix_attention(q, k, torch.randn(length, 2, GROUPS, 10, dtype=torch.float64), plan, scale=0.3)
+    with pytest.raises(ValueError, match=r"^shared-prefix attention: 4 query heads do not split into 3 key/value "
+                                         r"groups$"):
+        shared_prefix_attention(q, k[:, :, :1].expand(-1, -1, 3, -1), v, plan, scale=0.3)
+    assert chosen_route("auto", q) == "mask" and chosen_route("flex", q) == "flex"
+    v = torch.randn(length, 2, GROUPS, WIDTH, generator=gen, dtype=torch.float64)
+    sink = torch.randn(HEADS, generator=gen, dtype=torch.float64)
+    torch.manual_seed(0)
+    dropped = shared_prefix_attention(q, k, v, plan, scale=0.3, dropout=0.25, window=4, sink=sink)
+    torch.manual_seed(0)
+    assert torch.equal(dropped, rule_masked_attention(q, k, v, plan, 0.3, 0.25, 4, sink).reshape(length, 2, -1))
+    low = rule_masked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan, 0.3, 0.0, None, sink.bfloat16())
+    want = shared_prefix_attention(q.float(), k.float(), v.float(), plan, scale=0.3, route="mask", sink=sink.float())
+    assert low.dtype == torch.bfloat16 and (low.flatten(2).float() - want).abs().max() < 3e-2
+    empty = plan_shared_prefix(torch.zeros(0, dtype=torch.int64), [0])
+    none = torch.zeros(0, 2, HEADS, WIDTH)
+    assert shared_prefix_attention(none, none[:, :, :GROUPS], none[:, :, :GROUPS], empty, scale=0.3).shape == \
+        (0, 2, HEADS * WIDTH)

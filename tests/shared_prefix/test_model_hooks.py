@@ -9,6 +9,8 @@ Llama 3's RoPE scaling and learned absolute positions; the fused output processo
 calls unchanged bit for bit; what the plan cannot run refused by name, never computed silently."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from kit.shared_prefix import TokenCount, grpo_batch, objective, ordinary, planned, scores
@@ -128,6 +130,7 @@ def test_ordinary_calls_are_unchanged_bit_for_bit_after_prepare(megatron_cpu):
     assert torch.equal(ordinary(model, batch).detach(), before)
     hooks = model._forward_pre_hooks
     assert len(hooks) == 1
+    assert [len(layer.self_attention._forward_pre_hooks) for layer in model.decoder.layers] == [1, 1]
 
 
 def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe_router_on_cpu):
@@ -217,10 +220,12 @@ def test_bad_input_is_refused_by_name_and_an_unprepared_model_never_computes_sil
     negative.logical_tokens[3] = -1
     with pytest.raises(ValueError, match="token id -1 is negative: the model's ids are 0 to 63"):
         model(negative.logical_tokens[None].clone(), None, None, packed_seq_params=shared_prefix_params(negative))
-    with pytest.raises(TypeError, match="must be a SharedPrefixPlan"):
+    with pytest.raises(TypeError, match=r"^shared_prefix_params: plan must be a SharedPrefixPlan, got Tensor$"):
         shared_prefix_params(batch.tokens)
     with pytest.raises(ValueError, match="no megatron-core language model"):
         prepare_shared_prefix([torch.nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match=r"^prepare_shared_prefix: expected megatron-core model chunks, got str$"):
+        prepare_shared_prefix(["a model"])
     assert torch.equal(batch.tokens, grpo_batch().tokens)  # the caller's tensors untouched
 
 
@@ -274,3 +279,71 @@ def test_a_hybrid_model_equals_each_samples_own_forward(megatron_cpu):
         want = log_probs_and_entropy(own[0, :-1], tokens[0, 1:])[0]
         got = log_probs_and_entropy(logits[0, rows], tokens[0, 1:])[0]
         assert relative_error(got, want) < TOL, f"sample {i}"
+
+
+def test_the_params_span_the_stream_as_one_int32_sequence_in_both_directions(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import shared_prefix_params
+
+    plan = grpo_batch().plan(pad_to=4)
+    params = shared_prefix_params(plan, route="mask")
+    whole = torch.tensor([0, plan.physical_length], dtype=torch.int32)
+    for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):
+        assert cu.dtype == torch.int32 and torch.equal(cu, whole)
+    assert (params.qkv_format, params.route, params.shared_prefix) == ("shared_prefix", "mask", plan)
+    assert params.max_seqlen_q == params.max_seqlen_kv == plan.longest
+
+
+def test_a_chunk_added_after_prepare_is_prepared_and_the_decoders_output_is_checked(megatron_cpu):
+    """prepare_shared_prefix over [a prepared chunk, a new one] installs the new one's seams too; the
+    decoder's hook names what it got where its output is no tensor."""
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.shared_prefix.model_hooks import logical_rows
+
+    first, second = _model("rope-gqa"), _model("rope-gqa")
+    prepare_shared_prefix(first)
+    prepare_shared_prefix([first, second])
+    assert len(second._forward_pre_hooks) == 1 and len(second.decoder._forward_hooks) == 1
+    params = shared_prefix_params(grpo_batch().plan())
+    with pytest.raises(ValueError, match=r"^shared prefix: the decoder returned tuple, not its hidden states$"):
+        logical_rows(second.decoder, (), {"packed_seq_params": params}, (torch.zeros(1),))
+
+
+def test_a_decoder_input_given_is_taken_as_the_plans_physical_rows(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+
+    batch = grpo_batch()
+    model = prepare_shared_prefix(_model("rope-gqa"))
+    plan = batch.plan()
+    params = shared_prefix_params(plan)
+    with torch.no_grad():
+        want = model(batch.tokens, None, None, packed_seq_params=params)
+        rows = model.embedding(input_ids=plan.tokens[None], position_ids=plan.positions[None])
+        assert torch.equal(model(None, None, None, decoder_input=rows, packed_seq_params=params), want)
+
+
+def test_the_language_models_refusals_are_said_whole(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+
+    batch = grpo_batch()
+    model = prepare_shared_prefix(_model("rope-gqa"))
+    params = shared_prefix_params(batch.plan())
+    with pytest.raises(ValueError, match=rf"^shared prefix: input_ids must be the packed ids the plan was built from, "
+                                         rf"\[1, {batch.tokens.size(1)}\], got list$"):
+        model(batch.tokens[0].tolist(), None, None, packed_seq_params=params)
+    from megatron_rl_patches.shared_prefix.model_hooks import rotary_at_positions
+
+    short = {"attention_mask": None, "rotary_pos_emb": torch.zeros(3, 1, 1, 8), "packed_seq_params": params}
+    with pytest.raises(ValueError, match=rf"^shared prefix: the model's rotary table has 3 rows, the plan's longest "
+                                         rf"sample {batch.plan().longest}$"):
+        rotary_at_positions(model.decoder.layers[0].self_attention, (torch.zeros(1),), short)
+    other = batch.tokens.clone()
+    other[0, 3] = (other[0, 3] + 1) % 64
+    with pytest.raises(ValueError, match=r"^shared prefix: input_ids differ from the ids the plan was built from "
+                                         r"\(build the plan from this micro-batch's tokens\)$"):
+        model(other, None, None, packed_seq_params=params)
+    if "padding_mask" not in inspect.signature(type(model).forward).parameters:
+        return  # megatron-core before padding_mask
+    with pytest.raises(ValueError, match=r"^shared prefix: padding_mask is not taken with a shared-prefix plan \(the "
+                                         r"plan's padding rows are its own\); pass padding_mask=None$"):
+        model(batch.tokens, None, None, packed_seq_params=params,
+              padding_mask=torch.zeros_like(batch.tokens, dtype=torch.bool))

@@ -90,5 +90,24 @@ def test_a_window_reaching_later_tokens_is_refused_by_name():
     assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=None), 1) == 4
     assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=[0, 1]), 1) is None
     assert layer_window(SimpleNamespace(window_size=(-1, 0), window_attn_skip_freq=None), 1) is None
+    assert layer_window(SimpleNamespace(window_size=(0, 0), window_attn_skip_freq=None), 1) == 0  # itself only
+    assert layer_window(SimpleNamespace(window_size=(4, 0)), 2) == 4  # a config without the skip frequency
+    every_third = SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=3)
+    assert [layer_window(every_third, layer) for layer in (1, 2, 3, 4)] == [4, 4, None, 4]
     with pytest.raises(ValueError, match=r"window_size=\(4, 2\) lets a token see 2 later ones"):
         layer_window(SimpleNamespace(window_size=(4, 2), window_attn_skip_freq=None), 1)
+
+
+def test_a_sink_the_core_does_not_hold_is_refused_whole():
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.shared_prefix.model_hooks import attention_sink
+
+    class Core:
+        config = SimpleNamespace(softmax_type="learnable")
+
+    assert attention_sink(SimpleNamespace(config=SimpleNamespace(softmax_type="vanilla"))) is None
+    with pytest.raises(ValueError, match=r"^shared prefix: softmax_type='learnable' but the core attention object "
+                                         r"holds no softmax_offset tensor the plan can read; run this model without "
+                                         r"a sharing plan$"):
+        attention_sink(Core())

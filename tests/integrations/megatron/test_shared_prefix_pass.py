@@ -71,3 +71,56 @@ def test_a_model_the_plan_cannot_run_packs_each_sample_whole_with_one_warning(me
         assert prefix_pass("slime's training step", [balanced], training=True, enabled=True) is None
     assert "shared prefix: slime's training step runs each sample packed whole: MoE load balancing" in caplog.text
     assert prefix_pass("a teacher's pass", [balanced], training=False, enabled=True) is not None
+
+
+def test_the_edges_of_what_is_packed_whole_and_the_words_said(megatron_cpu, clean_patch_state, caplog):
+    """No model: a pass over a vocabulary of 64. An id of exactly 64 is packed whole, ids 0 and 63
+    are planned; each warning said whole, naming the pass."""
+    from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass
+
+    batch = grpo_batch()
+    step = PrefixPass("a scoring pass", vocab=64)
+    edge = batch.tokens.clone()
+    edge[0, 0], edge[0, 7] = 0, 63
+    assert shared_prefix_plan_of(step.params(edge, batch.thd_params(), batch.samples)) is not None
+    edge[0, 7] = 64
+    given = batch.thd_params()
+    padded = batch.thd_params()
+    padded.cu_seqlens_q_padded = padded.cu_seqlens_q * 2
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert step.params(edge, given, batch.samples) is given
+        assert step.params(batch.tokens, padded, batch.samples) is padded
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [f"megatron-rl-patches: shared prefix: a scoring pass: a micro-batch with {reason} is packed whole "
+                    "(counted in the pass's figures)" for reason in ("an id past the vocabulary (64 >= 64)",
+                                                                     "padding between a sample's rows "
+                                                                     "(cu_seqlens_q_padded)")]
+    assert step.figures["packed_whole"] == 2
+
+
+def test_each_plan_is_padded_to_the_pass_and_agreed_over_its_group(megatron_cpu, monkeypatch):
+    """The stream padded to a multiple of the pass's `pad_to` (the tensor-parallel size), and the
+    plan's fingerprint agreed over the pass's group (a recording stand-in around the real `agree`,
+    called over no group: a stand-in group cannot exchange)."""
+    from megatron_rl_patches.integrations.megatron import shared_prefix_pass
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+    batch = grpo_batch()
+    alone = plan_shared_prefix(batch.tokens, batch.cu_seqlens, samples=batch.samples)
+    assert alone.physical_length % 4  # pad_to=4 changes the stream
+    calls, real = [], shared_prefix_pass.agree
+
+    def recorded(group, what, **kwargs):
+        calls.append((group, what, kwargs))
+        return real(None, what, **kwargs)
+
+    monkeypatch.setattr(shared_prefix_pass, "agree", recorded)
+    group = object()
+    plan = shared_prefix_plan_of(shared_prefix_pass.PrefixPass("a pass", pad_to=4, group=group).params(
+        batch.tokens, batch.thd_params(), batch.samples))
+    want = plan_shared_prefix(batch.tokens, batch.cu_seqlens, samples=batch.samples, pad_to=4)
+    assert plan.physical_length == want.physical_length and plan.physical_length % 4 == 0
+    physical, logical, checksum = want.fingerprint()
+    assert calls == [(group, "a micro-batch's shared-prefix plan",
+                      {"match": {"physical rows": physical, "logical rows": logical, "checksum": checksum},
+                       "where": "the tensor-parallel group"})]
