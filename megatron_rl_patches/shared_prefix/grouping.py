@@ -98,15 +98,18 @@ def _packed(samples: Sequence[Sequence[int]]) -> tuple[list[bytes], int] | None:
 
 
 def _common_bytes(a: bytes, b: bytes, width: int) -> int:
-    """How many leading tokens (of `width` bytes each) `a` and `b` share: a binary search of slice
-    comparisons (memcmp), not a loop over the tokens."""
+    """How many leading tokens (of `width` bytes each) `a` and `b` share: a binary search of prefix
+    comparisons (memcmp against a view of `b`: nothing copied), not a loop over the tokens."""
     low, high = 0, min(len(a), len(b)) // width  # a and b share `low` tokens, not `high + 1`
-    if a[:high * width] == b[:high * width]:
+    view = memoryview(b)
+    if not a.startswith(view[:width]):  # not even the first token (samples of other prompts): no search
+        return 0
+    if a.startswith(view[:high * width]):
         return high
     high -= 1
     while low < high:
         middle = (low + high + 1) // 2
-        if a[:middle * width] == b[:middle * width]:
+        if a.startswith(view[:middle * width]):
             low = middle
         else:
             high = middle - 1
