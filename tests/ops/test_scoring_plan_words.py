@@ -80,6 +80,7 @@ def test_checked_k_against_the_vocabulary():
 def test_checked_temperature_is_a_float_with_a_finite_reciprocal():
     assert checked_temperature(2) == 2.0 and type(checked_temperature(2)) is float
     assert checked_temperature(1e-300) == 1e-300  # 1e300: finite
+    assert checked_temperature(1e-308) == 1e-308  # 1e308 still finite (twice it is not)
     assert _words(ValueError, checked_temperature, 1e-320) == (
         "temperature must be a finite number > 0 (its reciprocal finite), got 1e-320")
     assert _words(ValueError, checked_temperature, 0, "T") == (
