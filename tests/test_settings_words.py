@@ -99,3 +99,25 @@ def test_a_group_read_as_one_gives_its_value_to_each_variable_set_and_its_refusa
     assert read.values == {FIRST: None, SECOND: None}
     read = settings.read_settings({SECOND: "bad"}, (FIRST, SECOND))
     assert read.refusals == {SECOND: "the pair is not a pair"}
+
+
+def test_a_roles_own_pipeline_and_a_non_string_value_are_refused_whole():
+    assert _words(settings.roles_setting, "judge;pp=2") == (
+        "MEGATRON_RL_PATCHES_INFERENCE_ROLES role 'judge;pp=2': option 'pp=2': a role's model at its own "
+        "pipeline-parallel size is not served yet (a role at its own layout takes ';tp=N'; an own pipeline is "
+        "served for MEGATRON_RL_PATCHES_OPD_TEACHERS entries 'PATH;pp=N'); drop it or use 1")
+    with pytest.raises(TypeError) as refused:
+        settings.text({"MEGATRON_RL_PATCHES_STRICT": 5}, "MEGATRON_RL_PATCHES_STRICT")  # type: ignore[dict-item]
+    assert str(refused.value) == ("environ['MEGATRON_RL_PATCHES_STRICT'] must be a string (environment values are), "
+                                  "got int 5")
+
+
+def test_the_cache_root_and_tritons_interpreter_switch(monkeypatch, tmp_path):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert settings.cache_root() == str(tmp_path / ".cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/elsewhere")
+    assert settings.cache_root() == "/elsewhere"
+    for value, interpreted in (("1", True), (" Y ", True), ("true", True), ("0", False), ("", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert settings.triton_interpreted() is interpreted, value
