@@ -338,3 +338,23 @@ def test_the_docs_name_every_checked_field():
     page = (Path(__file__).parents[2] / "docs" / "shared-prefix.md").read_text()
     missing = [name for name, known in FIELDS.items() if known.what and f"`{name}`" not in page]
     assert not missing, f"docs/shared-prefix.md's table of what the plan checks lacks {missing}"
+
+
+def test_the_language_models_own_position_embedding_and_a_field_without_a_default_are_read(megatron_cpu):
+    """local_reasons reads the embedding off the model (GPTModel's argument, not a config field: the
+    same model set to 'mrope' is refused by name); a field no config gives a default is refused
+    whatever its value, None included."""
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.shared_prefix.known_config import unknown
+    from megatron_rl_patches.shared_prefix.refusals import config_reasons, local_reasons
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    model = build_packed_gpt(seq_length=64, seed=3, config=tiny_gpt_config())
+    assert local_reasons(model, False) == []
+    model.position_embedding_type = "mrope"
+    reasons = local_reasons(model, False)
+    assert len(reasons) == 1 and "(position_embedding_type='mrope'): " in reasons[0], reasons
+    own = SimpleNamespace(a_field_of_its_own=None)
+    assert config_reasons(own, False) == [unknown("a_field_of_its_own", None, None)]
