@@ -162,6 +162,15 @@ def test_a_field_the_table_does_not_know_runs_only_at_its_default():
     assert reasons == ["a setting the shared-prefix plan does not know (attention_trick=3, default 0): it may change "
                        "what a token sees; leave it at its default or do not share this model's prefixes"]
 
+    @dataclasses.dataclass
+    class FactoryConfig(TransformerConfig):  # a default made by a factory: read as that default
+        attention_tricks: list = dataclasses.field(default_factory=list)
+
+    assert config_reasons(FactoryConfig(**base), True) == []
+    assert config_reasons(FactoryConfig(**base, attention_tricks=[1]), True) == [
+        "a setting the shared-prefix plan does not know (attention_tricks=[1], default []): it may change what a "
+        "token sees; leave it at its default or do not share this model's prefixes"]
+
 
 def _exact(model, batch, training: bool = True) -> tuple[float, float]:
     """(log-prob error, gradient error) of the plan against the same samples packed whole."""
