@@ -9,13 +9,18 @@ to another's prefix (an empty response, two identical samples) may lie wholly in
 prefix: its rows are the prefix's, as its own forward would compute them.
 
 The dynamic programme takes O(n log n) steps for n samples, not the O(n^2) of trying every run that
-ends at each sample (16,384 samples of one prompt: 18.7 s before): see `runs_saving_most`."""
+ends at each sample (16,384 samples of one prompt: 18.7 s before): see `runs_saving_most`. Python's
+cyclic garbage collector is paused while the groups are found (`collector_paused`): the work makes
+no reference cycles, and a full collection in it would walk every sample the caller holds (16,384
+lists of 1,152 ints: 19M references) once per so many new objects, a cost that grew as n^2."""
 from __future__ import annotations
 
+import gc
 import sys
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +37,19 @@ class Group:
     def saved(self) -> int:
         """Tokens the shared prefix saves: computed once instead of once per member."""
         return (len(self.members) - 1) * self.shared
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (objects are still freed by their counts), back
+    on after, also on an error, unless the caller had it off already."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def common_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -80,15 +98,18 @@ def _packed(samples: Sequence[Sequence[int]]) -> tuple[list[bytes], int] | None:
 
 
 def _common_bytes(a: bytes, b: bytes, width: int) -> int:
-    """How many leading tokens (of `width` bytes each) `a` and `b` share: a binary search of slice
-    comparisons (memcmp), not a loop over the tokens."""
+    """How many leading tokens (of `width` bytes each) `a` and `b` share: a binary search of prefix
+    comparisons (memcmp against a view of `b`: nothing copied), not a loop over the tokens."""
     low, high = 0, min(len(a), len(b)) // width  # a and b share `low` tokens, not `high + 1`
-    if a[:high * width] == b[:high * width]:
+    view = memoryview(b)
+    if not a.startswith(view[:width]):  # not even the first token (samples of other prompts): no search
+        return 0
+    if a.startswith(view[:high * width]):
         return high
     high -= 1
     while low < high:
         middle = (low + high + 1) // 2
-        if a[:middle * width] == b[:middle * width]:
+        if a.startswith(view[:middle * width]):
             low = middle
         else:
             high = middle - 1
@@ -284,10 +305,11 @@ def find_groups(samples: Sequence[Sequence[int]], min_shared: int = 1) -> list[G
     run the shortest). Deterministic: the same samples give the same groups."""
     if not samples:
         return []
-    order, adjacent = sorted_with_neighbours(samples)
-    firsts = runs_saving_most(adjacent, min_shared)
-    runs = []
-    for first, end in zip(firsts, [*firsts[1:], len(order)]):
-        shared = min(adjacent[first:end - 1]) if end - first > 1 else 0
-        runs.append(Group(tuple(sorted(order[first:end])), shared))
-    return sorted(runs, key=lambda group: group.members[0])
+    with collector_paused():
+        order, adjacent = sorted_with_neighbours(samples)
+        firsts = runs_saving_most(adjacent, min_shared)
+        runs = []
+        for first, end in zip(firsts, [*firsts[1:], len(order)]):
+            shared = min(adjacent[first:end - 1]) if end - first > 1 else 0
+            runs.append(Group(tuple(sorted(order[first:end])), shared))
+        return sorted(runs, key=lambda group: group.members[0])

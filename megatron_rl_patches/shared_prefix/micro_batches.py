@@ -5,7 +5,8 @@ will compute them under shared-prefix plans. A group stays whole in one micro-ba
 exceeds the budget; then it is cut into parts, each carrying the prefix again. Groups are placed
 first-fit, largest first (fewer micro-batches than placing them in order), and every micro-batch
 keeps its samples in their original order. The cost grows as n log n in the samples (the grouping's
-and the first fit's), whether they share one prompt or none."""
+and the first fit's), whether they share one prompt or none; the cyclic garbage collector is paused
+throughout, as in the grouping (see grouping.py)."""
 from __future__ import annotations
 
 import operator
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.shared_prefix.grouping import find_groups
+from megatron_rl_patches.shared_prefix.grouping import collector_paused, find_groups
 
 NAME = "shared_prefix_micro_batches"
 LARGEST_ID = 2 ** 63 - 1  # an int64 tensor's
@@ -106,24 +107,25 @@ class _FirstFit:
 def physical_micro_batches(values: Sequence[Sequence[int]], max_tokens: int, min_shared: int = 1) -> list[list[int]]:
     """The micro-batches of `values` (checked ids) at most `max_tokens` physical tokens each; a
     sample longer than `max_tokens` alone in its own (as slime's first fit places one)."""
-    parts: list[tuple[int, list[int]]] = []  # (physical tokens, members)
-    for group in find_groups(values, min_shared):
-        part: list[int] = []
-        cost = 0
-        for member in group.members:
-            own = len(values[member]) - group.shared
-            if part and cost + own > max_tokens:  # the group exceeds the budget: a new part, the prefix again
-                parts.append((cost, part))
-                part, cost = [], 0
-            if not part:
-                cost = group.shared
-            part.append(member)
-            cost += own
-        parts.append((cost, part))
-    bins = _FirstFit(max_tokens, len(parts))
-    for cost, members in sorted(parts, key=lambda p: (-p[0], p[1][0])):
-        bins.place(cost, members)
-    return sorted((sorted(held) for held in bins.held), key=lambda held: held[0])
+    with collector_paused():  # no cycles made: see grouping.py
+        parts: list[tuple[int, list[int]]] = []  # (physical tokens, members)
+        for group in find_groups(values, min_shared):
+            part: list[int] = []
+            cost = 0
+            for member in group.members:
+                own = len(values[member]) - group.shared
+                if part and cost + own > max_tokens:  # the group exceeds the budget: a new part, the prefix again
+                    parts.append((cost, part))
+                    part, cost = [], 0
+                if not part:
+                    cost = group.shared
+                part.append(member)
+                cost += own
+            parts.append((cost, part))
+        bins = _FirstFit(max_tokens, len(parts))
+        for cost, members in sorted(parts, key=lambda p: (-p[0], p[1][0])):
+            bins.place(cost, members)
+        return sorted((sorted(held) for held in bins.held), key=lambda held: held[0])
 
 
 def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_shared: int = 1) -> list[list[int]]:
@@ -138,11 +140,12 @@ def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_
     if not isinstance(min_shared, int) or isinstance(min_shared, bool) or min_shared < 1:
         raise ValueError(f"{NAME}: min_shared must be an int >= 1 (the fewest leading tokens a group shares), "
                          f"got {min_shared!r}")
-    values = [sample_ids(sample, i) for i, sample in enumerate(samples)]
-    for i, sample in enumerate(values):
-        if not sample:
-            raise ValueError(f"{NAME}: samples[{i}] is empty")
-        if len(sample) > max_tokens:
-            raise ValueError(f"{NAME}: samples[{i}] has {len(sample)} tokens, more than "
-                             f"max_tokens={max_tokens}: raise max_tokens or cut the sample")
-    return physical_micro_batches(values, max_tokens, min_shared)
+    with collector_paused():
+        values = [sample_ids(sample, i) for i, sample in enumerate(samples)]
+        for i, sample in enumerate(values):
+            if not sample:
+                raise ValueError(f"{NAME}: samples[{i}] is empty")
+            if len(sample) > max_tokens:
+                raise ValueError(f"{NAME}: samples[{i}] has {len(sample)} tokens, more than "
+                                 f"max_tokens={max_tokens}: raise max_tokens or cut the sample")
+        return physical_micro_batches(values, max_tokens, min_shared)

@@ -174,3 +174,66 @@ def test_runs_saving_most_reads_only_what_neighbours_share():
     assert runs_saving_most([3, 9, 3], min_shared=4) == [0, 1, 3]  # only the middle pair shares 4
     assert runs_saving_most([2, 10, 10, 2]) == [0, 1, 4]  # 1..3 share 10 (20 saved), not all five 2 (8)
     assert runs_saving_most([2, 4]) == [0, 1]  # a tie (all three at 2, or 1 and 2 at 4: 4 each): the shorter last run
+
+
+def _quadratic_firsts(adjacent, min_shared):
+    """The old programme on what neighbours share: every run ending at each sample."""
+    n = len(adjacent) + 1
+    best, start = [0] * (n + 1), [0] * (n + 1)
+    for end in range(1, n + 1):
+        best[end], start[end] = best[end - 1], end - 1
+        shared = None
+        for first in range(end - 2, -1, -1):
+            shared = adjacent[first] if shared is None else min(shared, adjacent[first])
+            if shared < min_shared:
+                break
+            if best[first] + (end - 1 - first) * shared > best[end]:
+                best[end], start[end] = best[first] + (end - 1 - first) * shared, first
+    firsts, end = [], n
+    while end > 0:
+        firsts.append(start[end])
+        end = start[end]
+    return firsts[::-1]
+
+
+def test_long_random_neighbour_patterns_give_the_quadratic_runs():
+    """Deep hulls and envelopes (dozens of samples, many segments merged and lines popped): the small
+    samples of the property above rarely build them."""
+    import random
+
+    from megatron_rl_patches.shared_prefix.grouping import runs_saving_most
+
+    rng = random.Random(110)
+    for case in range(300):
+        n = rng.randrange(2, 90)
+        top = rng.choice([3, 12, 200])
+        adjacent = [rng.randrange(0, top + 1) if case % 3 else rng.randrange(top // 2, top + 1) for _ in range(n - 1)]
+        min_shared = rng.choice([1, 1, 2])
+        assert runs_saving_most(adjacent, min_shared) == _quadratic_firsts(adjacent, min_shared), (adjacent, min_shared)
+
+
+def test_each_hull_and_envelope_move_is_counted_once():
+    """The step count the growth test reads: n, plus one per hull point pushed or dropped, per probe of a
+    hull's or the envelope's binary search."""
+    from megatron_rl_patches.shared_prefix.grouping import runs_saving_most
+
+    counts = {}
+    for name, adjacent in _adjacent_patterns(16).items():
+        steps: list[int] = []
+        runs_saving_most(adjacent, 1, steps)
+        counts[name] = steps[0]
+    assert counts == PINNED_STEPS, counts
+
+
+PINNED_STEPS = {'one prompt': 57, 'rising': 88, 'falling': 64, 'tent': 101, 'sawtooth': 88, 'valleys': 66, 'nested': 67}
+
+
+def test_arrays_of_64_bit_ids_share_what_lists_of_them_share():
+    """Arrays ('q', 'Q') are compared as 8-byte tokens (4 for 'I'), a difference at the ninth token
+    found there, as in the same ids as lists."""
+    from array import array
+
+    first, second = list(range(1, 10)), [*range(1, 9), 10]
+    for code in ("q", "Q", "I"):
+        groups = find_groups([array(code, first), array(code, second), array(code, [7])])
+        assert groups == find_groups([first, second, [7]]) == [Group((0, 1), 8), Group((2,), 0)], code

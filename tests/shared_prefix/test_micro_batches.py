@@ -86,3 +86,73 @@ def test_ids_in_every_form_give_the_same_micro_batches_and_are_left_as_given():
     results = [shared_prefix_micro_batches(form, 60) for form in forms]
     assert all(result == results[0] for result in results) and len(results[0]) == 2  # a group each
     assert samples == given
+
+
+def test_no_garbage_collection_runs_while_micro_batches_are_found_and_the_setting_is_restored():
+    """The grouping makes no reference cycles; a full collection in it walked every sample the caller
+    holds (19M references at 16,384 samples of 1,152 ids), so its cost grew as n^2. Collections
+    are paused inside (3,000 samples sharing nothing: about 15,000 new objects, some twenty
+    collections before) and the caller's setting comes back: on, off, and after a refusal."""
+    import gc
+    import sys
+
+    from megatron_rl_patches.shared_prefix.grouping import find_groups
+
+    samples = [[i, i % 7] for i in range(3000)]
+    collections: list[int] = []
+
+    def record(phase, info):  # a collection started while the package's grouping code runs
+        frame = sys._getframe(1)
+        while frame is not None and phase == "start":
+            if frame.f_code.co_filename.endswith(("shared_prefix/grouping.py", "shared_prefix/micro_batches.py")):
+                collections.append(info["generation"])
+                return
+            frame = frame.f_back
+
+    gc.callbacks.append(record)
+    try:
+        gc.collect()
+        groups = find_groups(samples)
+        gc.collect()
+        batches = shared_prefix_micro_batches(samples, 40)
+        seen = list(collections)
+        enabled_after = gc.isenabled()
+        with pytest.raises(ValueError, match=r"samples\[1\] is empty"):
+            shared_prefix_micro_batches([[1], []], 40)
+        enabled_after_refusal = gc.isenabled()
+        gc.disable()
+        shared_prefix_micro_batches(samples[:10], 40)
+        find_groups(samples[:10])
+        disabled_kept = not gc.isenabled()
+    finally:
+        gc.callbacks.remove(record)
+        gc.enable()
+    assert len(seen) <= 2, seen  # at most the one each call owes when the collector is back on
+    assert enabled_after and enabled_after_refusal and disabled_kept
+    assert len(groups) == 3000 and not any(g.shared for g in groups)
+    assert sorted(i for batch in batches for i in batch) == list(range(3000))
+
+
+def test_ids_are_kept_in_the_narrowest_array_and_every_negative_id_refused():
+    from megatron_rl_patches.shared_prefix.micro_batches import sample_ids
+
+    assert sample_ids([1, 2**32 - 1], 0).typecode == "I" and sample_ids([2**40, 2**63 - 1], 0).typecode == "q"
+    assert list(sample_ids(torch.tensor([3, 2**55]), 0)) == [3, 2**55]
+    for negative in (-1, -(2**62), -(2**55)):
+        with pytest.raises(ValueError, match=rf"samples\[4\]\[1\] is {negative}, not a token id"):
+            sample_ids([2**63 - 1, negative], 4)  # the largest id taken, the negative named
+        with pytest.raises(ValueError, match=rf"samples\[0\]\[0\] is {negative}, not a token id"):
+            sample_ids([negative], 0)  # -2**62: only its top byte holds a sign bit
+    with pytest.raises(ValueError, match=r"samples\[2\] must be a 1-D tensor of ids, got \(2,\) torch.int64 on meta"):
+        sample_ids(torch.tensor([1, 2], device="meta"), 2)
+
+
+def test_largest_parts_first_each_into_the_first_micro_batch_with_room():
+    # ten samples of no shared prompt: five of 8 ids, five of 2, budget 10: each 8 with a 2 (5 micro-batches;
+    # in the given order the 2s would fill one and the 8s five more)
+    samples = [[100 + i] * 2 for i in range(5)] + [[200 + i] * 8 for i in range(5)]
+    assert shared_prefix_micro_batches(samples, 10) == [[0, 5], [1, 6], [2, 7], [3, 8], [4, 9]]
+    # eight of 5 then four of 3, budget 8: the 3s go into the first four micro-batches, in order
+    samples = [[300 + i] * 5 for i in range(8)] + [[400 + i] * 3 for i in range(4)]
+    assert shared_prefix_micro_batches(samples, 8) == [[0, 8], [1, 9], [2, 10], [3, 11], [4], [5], [6], [7]]
+    assert shared_prefix_micro_batches([[1], [2]], 1) == [[0], [1]]  # a budget of one token

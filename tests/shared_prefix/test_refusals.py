@@ -167,6 +167,15 @@ def test_a_field_the_table_does_not_know_runs_only_at_its_default():
     assert reasons == ["a setting the shared-prefix plan does not know (attention_trick=3, default 0): it may change "
                        "what a token sees; leave it at its default or do not share this model's prefixes"]
 
+    @dataclasses.dataclass
+    class FactoryConfig(TransformerConfig):  # a default made by a factory: read as that default
+        attention_tricks: list = dataclasses.field(default_factory=list)
+
+    assert config_reasons(FactoryConfig(**base), True) == []
+    assert config_reasons(FactoryConfig(**base, attention_tricks=[1]), True) == [
+        "a setting the shared-prefix plan does not know (attention_tricks=[1], default []): it may change what a "
+        "token sees; leave it at its default or do not share this model's prefixes"]
+
 
 def _exact(model, batch, training: bool = True) -> tuple[float, float]:
     """(log-prob error, gradient error) of the plan against the same samples packed whole."""
@@ -343,3 +352,61 @@ def test_the_docs_name_every_checked_field():
     page = (Path(__file__).parents[2] / "docs" / "shared-prefix.md").read_text()
     missing = [name for name, known in FIELDS.items() if known.what and f"`{name}`" not in page]
     assert not missing, f"docs/shared-prefix.md's table of what the plan checks lacks {missing}"
+
+
+def test_the_language_models_own_position_embedding_and_a_field_without_a_default_are_read(megatron_cpu):
+    """local_reasons reads the embedding off the model (GPTModel's argument, not a config field: the
+    same model set to 'mrope' is refused by name); a field no config gives a default is refused
+    whatever its value, None included."""
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.shared_prefix.known_config import unknown
+    from megatron_rl_patches.shared_prefix.refusals import config_reasons, local_reasons
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    model = build_packed_gpt(seq_length=64, seed=3, config=tiny_gpt_config())
+    assert local_reasons(model, False) == []
+    model.position_embedding_type = "mrope"
+    reasons = local_reasons(model, False)
+    assert len(reasons) == 1 and "(position_embedding_type='mrope'): " in reasons[0], reasons
+    own = SimpleNamespace(a_field_of_its_own=None)
+    assert config_reasons(own, False) == [unknown("a_field_of_its_own", None, None)]
+
+
+def test_each_module_class_is_read_once_each_config_of_its_own_and_the_joined_reasons(megatron_cpu):
+    """A refused class is named once, at its first path; a module's config of its own (not the
+    language model's) is read too; a language model without a position embedding attribute runs;
+    what is no model chunk is refused by name; the joined helpers pass `training` on."""
+    import copy
+
+    from megatron_rl_patches.shared_prefix.refusals import config_reason, local_reason, local_reasons, module_reason
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    model = build_packed_gpt(seq_length=64, seed=3, config=tiny_gpt_config())
+    attentions = [layer.self_attention for layer in model.decoder.layers]
+    assert len(attentions) >= 2
+    for attention in attentions:
+        attention.attention_type = "cross"
+    name = f"{type(attentions[0]).__module__}.{type(attentions[0]).__qualname__}"
+    assert module_reason("here", attentions[0]) == f"cross attention ({name} at here)"
+    assert local_reasons(model, False) == [f"cross attention ({name} at decoder.layers.0.self_attention)"]
+    for attention in attentions:
+        del attention.attention_type
+    own = copy.copy(model.config)
+    own.window_size = (8, 4)
+    model.decoder.layers[1].mlp.config = own
+    reasons = local_reasons(model, False)
+    assert len(reasons) == 1 and "(window_size=(8, 4)): " in reasons[0], reasons
+    model.decoder.layers[1].mlp.config = model.config
+    del model.position_embedding_type
+    assert local_reasons(model, False) == [] and local_reason(model, False) is None
+    with pytest.raises(TypeError) as refused:
+        local_reasons(object(), False)
+    assert str(refused.value) == "prepare_shared_prefix: expected megatron-core model chunks, got object"
+    dropout = tiny_gpt_config(hidden_dropout=0.1)
+    assert config_reason(dropout, False) is None
+    assert "(hidden_dropout=0.1): " in str(config_reason(dropout, True))
+    model.config.hidden_dropout = 0.1
+    assert local_reason(model, False) is None and "(hidden_dropout=0.1): " in str(local_reason(model, True))
