@@ -237,3 +237,16 @@ def test_arrays_of_64_bit_ids_share_what_lists_of_them_share():
     for code in ("q", "Q", "I"):
         groups = find_groups([array(code, first), array(code, second), array(code, [7])])
         assert groups == find_groups([first, second, [7]]) == [Group((0, 1), 8), Group((2,), 0)], code
+
+
+def test_signed_arrays_sort_as_their_numbers_negative_ids_first():
+    """Samples given as 'q' arrays are compared as bytes with their sign bit flipped: a negative id
+    sorts before 0 as the numbers do (read as unsigned bytes it would sort after every positive id)."""
+    from array import array
+
+    from megatron_rl_patches.shared_prefix.grouping import sorted_with_neighbours
+
+    samples = [array("q", [5, 1, 2]), array("q", [-3, 1]), array("q", [-3, 1, 7]), array("q", [0])]
+    order, common = sorted_with_neighbours(samples)
+    assert order == sorted(range(len(samples)), key=lambda i: list(samples[i])) == [1, 2, 3, 0]
+    assert common == [2, 0, 0]

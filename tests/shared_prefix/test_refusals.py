@@ -410,3 +410,19 @@ def test_each_module_class_is_read_once_each_config_of_its_own_and_the_joined_re
     assert "(hidden_dropout=0.1): " in str(config_reason(dropout, True))
     model.config.hidden_dropout = 0.1
     assert local_reason(model, False) is None and "(hidden_dropout=0.1): " in str(local_reason(model, True))
+
+
+def test_multi_latent_attention_before_megatron_core_0_16_is_refused_naming_its_class_path_and_version(megatron_cpu):
+    """megatron-core 0.13–0.15's MLA fails inside its own rotary embedding on packed input (the oldest
+    lane runs this): refused by name, the class and where it sits, the version and the remedy."""
+    from kit.latent_gpt import build_mla_gpt, mla_takes_packed_input, tiny_mla_config
+    from megatron.core.package_info import __version__
+
+    from megatron_rl_patches.shared_prefix.refusals import shared_prefix_reason
+
+    if mla_takes_packed_input():
+        pytest.skip(f"megatron-core {__version__} runs multi-latent attention under a plan")
+    reason = shared_prefix_reason(build_mla_gpt(tiny_mla_config()), training=True)
+    assert reason == (f"multi-latent attention on megatron-core {__version__} (megatron.core.transformer."
+                      "multi_latent_attention.MLASelfAttention at decoder.layers.0.self_attention): tested exact on "
+                      "0.16 and later; upgrade megatron-core or do not share this model's prefixes")
