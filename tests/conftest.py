@@ -233,15 +233,6 @@ def built_wheel(tmp_path_factory) -> SimpleNamespace:
 # ---------------------------------------------------------------------------- the GPU lane
 
 
-def heavy_first(items: list) -> None:
-    """`items` reordered in place: the modules of HEAVIEST_FIRST first, in its order; every other
-    module after them, as collected (a stable sort: a module's own tests keep their order)."""
-    from kit.heavy_first import HEAVIEST_FIRST
-
-    rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where torch sees a CUDA device (`make test-gpu`); elsewhere
     they are skipped, never needed by `make test`. A test that runs once per model kind
@@ -249,6 +240,8 @@ def pytest_collection_modifyitems(config, items):
     `layout(...)` marker naming no layout of megatron_rl_patches.testing.layouts, or a layout proof
     marked `version_blind` or `reader_facing` (fewer lanes), stops the session. The heaviest modules
     come first (kit/heavy_first.py: the lanes' xdist workers take them first)."""
+    from kit.heavy_first import heavy_first
+
     heavy_first(items)
     for item in items:
         if getattr(getattr(item, "callspec", None), "params", {}).get("megatron_cpu_kind") == "hybrid":

@@ -1,4 +1,4 @@
-"""The lanes' heaviest-first order (tests/kit/heavy_first.py, tests/conftest.py's `heavy_first`): every
+"""The lanes' heaviest-first order (tests/kit/heavy_first.py, called by tests/conftest.py): every
 listed module exists (a rename would silently drop it to the collection's order), none twice, and the
 reorder puts them first in their order while every other module keeps its collected order."""
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import heavy_first
-from kit.heavy_first import HEAVIEST_FIRST
+from kit.heavy_first import HEAVIEST_FIRST, heavy_first
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -113,7 +113,7 @@ def _sequence_shares(router: Any, plan: SharedPrefixPlan, rows: int) -> tuple[in
     stream; None where it sees the whole stream."""
     if rows == plan.physical_length:
         return None
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     count = parallel_state.get_tensor_model_parallel_world_size()
     if not getattr(router.config, "sequence_parallel", False) or count < 2 or rows * count != plan.physical_length:
@@ -151,7 +151,7 @@ def planned_router_class(cls: Any) -> type:
             probs, routing_map = cls.routing(self, logical.unsqueeze(1))
             reader = _reader(plan, probs.device)
             return probs.index_select(0, reader), routing_map.index_select(0, reader)
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # lazy: optional dependency megatron-core
 
         count, rank, group = shares
         whole = tensor_parallel.gather_from_sequence_parallel_region(flat, group=group)

@@ -40,7 +40,7 @@ REMEDY = f"set {settings.SHARED_PREFIX}=0 for this job (each sample packed whole
 
 def verl_layout_reasons(engine: Any) -> list[str]:
     """Why verl's layout on this rank cannot run a plan (each names verl's setting)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     config = engine.engine_config
     reasons = []
