@@ -21,7 +21,10 @@ import pytest
 
 from megatron_rl_patches.patching.startup import files as startup
 
-pytestmark = [pytest.mark.slow, pytest.mark.megatron]
+# version-blind: the main lane only (a wheel's start-up files and the venv it goes into do not change with
+# megatron-core); the variable patching megatron-core's DDP in a fresh process, on every megatron lane:
+# tests/test_reentrant_train.py::test_env_var_patches_a_fresh_process
+pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.version_blind]
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "megatron", "wrapt", "packaging", "numpy")
