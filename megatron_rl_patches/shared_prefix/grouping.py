@@ -124,8 +124,14 @@ def sorted_with_neighbours(samples: Sequence[Sequence[int]]) -> tuple[list[int],
         order = sorted(range(len(samples)), key=lambda i: list(samples[i]))
         return order, [common_length(samples[order[j]], samples[order[j + 1]]) for j in range(len(order) - 1)]
     keys, width = packed
+    # What every sample shares (the common prefix of the least and the greatest key: linear) is cut off
+    # before sorting: samples of one prompt then compare their responses, not the prompt again and again
+    # (n log n comparisons of the whole prompt grew faster than 4x for 4x the samples).
+    shared = _common_bytes(min(keys), max(keys), width) if len(keys) > 1 else 0
+    if shared:
+        keys = [key[shared * width:] for key in keys]
     order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: ties by index
-    return order, [_common_bytes(keys[order[j]], keys[order[j + 1]], width) for j in range(len(order) - 1)]
+    return order, [shared + _common_bytes(keys[order[j]], keys[order[j + 1]], width) for j in range(len(order) - 1)]
 
 
 class _Hull:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -250,3 +251,21 @@ def test_signed_arrays_sort_as_their_numbers_negative_ids_first():
     order, common = sorted_with_neighbours(samples)
     assert order == sorted(range(len(samples)), key=lambda i: list(samples[i])) == [1, 2, 3, 0]
     assert common == [2, 0, 0]
+
+
+@pytest.mark.parametrize("prompt", [0, 1, 5])
+def test_samples_of_one_prompt_sort_and_share_as_their_token_lists(prompt):
+    """What every sample shares is cut off before sorting (the common prefix of the least and greatest
+    key): order and common lengths equal those of the token lists, a sample that is the prompt alone
+    and identical samples included."""
+    import random
+
+    from megatron_rl_patches.shared_prefix.grouping import common_length, sorted_with_neighbours
+
+    rng = random.Random(prompt)
+    head = [rng.randrange(70_000) for _ in range(prompt)]
+    samples = [head + [rng.randrange(3) for _ in range(rng.randrange(4))] for _ in range(40)] + [list(head)] * 2
+    order, common = sorted_with_neighbours(samples)
+    assert order == sorted(range(len(samples)), key=lambda i: samples[i])
+    assert common == [common_length(samples[a], samples[b]) for a, b in zip(order, order[1:])]
+    assert min(common) >= prompt
