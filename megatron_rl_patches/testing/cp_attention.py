@@ -21,27 +21,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_rl_patches.shared_prefix.context_parallel import GatheredStream
 from megatron_rl_patches.testing.cp_layout import check_layout, local_rows
-
-
-class GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 in rank order; the backward sums the gradient over the group and
-    returns this rank's rows (a reduce-scatter done as all-reduce + slice: gloo has no
-    reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.rows = group, local.size(0)
-        ctx.rank = dist.get_rank(group)
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts, 0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(0, ctx.rank * ctx.rows, ctx.rows), None
 
 
 def _cp_group(pg_collection: Any) -> Any:
@@ -115,7 +96,7 @@ class ContextParallelAttention(MegatronModule):
         q_rows = local_rows(self.layout, rank, cp_size, **where)
         k_rows = torch.cat([local_rows(self.layout, r, cp_size, **where) for r in range(cp_size)])
         if cp_size > 1:
-            key, value = GatherRows.apply(key, self.cp_group), GatherRows.apply(value, self.cp_group)
+            key, value = GatheredStream.apply(key, self.cp_group), GatheredStream.apply(value, self.cp_group)
         allowed = self._allowed(q_rows, k_rows, attention_mask, cu if packed else None).to(query.device)
         repeat = self.heads // self.query_groups
         if repeat > 1:
