@@ -97,23 +97,11 @@ def _quadratic_groups(samples, min_shared=1):
     reference the fast one must equal, ties included."""
     order = sorted(range(len(samples)), key=lambda i: (list(samples[i]), i))
     adjacent = [common_length(samples[order[j]], samples[order[j + 1]]) for j in range(len(order) - 1)]
-    best, start = [0] * (len(order) + 1), [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):
-        best[end], start[end] = best[end - 1], end - 1
-        shared = None
-        for first in range(end - 2, -1, -1):
-            shared = adjacent[first] if shared is None else min(shared, adjacent[first])
-            if shared < min_shared:
-                break
-            saved = best[first] + (end - 1 - first) * shared
-            if saved > best[end]:
-                best[end], start[end] = saved, first
-    runs, end = [], len(order)
-    while end > 0:
-        first = start[end]
+    firsts = _quadratic_firsts(adjacent, min_shared)
+    runs = []
+    for first, end in zip(firsts, [*firsts[1:], len(order)]):
         shared = min(adjacent[first:end - 1]) if end - first > 1 else 0
         runs.append(Group(tuple(sorted(order[first:end])), shared))
-        end = first
     return sorted(runs, key=lambda group: group.members[0])
 
 
