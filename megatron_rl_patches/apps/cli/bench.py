@@ -23,6 +23,7 @@ import tempfile
 
 from megatron_rl_patches.apps.bench import gpu, ops
 from megatron_rl_patches.apps.bench.progress import HEARTBEAT_S, ticking
+from megatron_rl_patches.apps.bench.shared_prefix import ALL_SHAPES as SHARED_PREFIX_SHAPES
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
 from megatron_rl_patches.settings import ascii_int
 
@@ -93,9 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"bench fused: run one part, {' or '.join(FUSED_PARTS)} "
                              "(log-prob + entropy, the top-k OPD step with 1 and 2 teachers, or the default "
                              "against the invariant mode at V = 151,936); bench logprobs: invariant")
-    parser.add_argument("--shape", choices=("grpo", "multi-turn"), default=None,
+    parser.add_argument("--shape", choices=SHARED_PREFIX_SHAPES, default=None,
                         help="bench shared-prefix: GRPO groups (default) or an agent's multi-turn trace (4 turns "
-                             "branching 4 x 4, and one sample per turn) against the one-level plan")
+                             "branching 4 x 4, and one sample per turn) against the one-level plan; hybrid (gated "
+                             "delta nets 3:1), deepseek (MLA + MoE + MTP), cp2 (context parallelism 2: 2 ranks), "
+                             "models (those three in one table); all: every shape")
     ops = parser.add_argument_group("bench ops")
     ops.add_argument("--baseline", metavar="REV", help="bench ops: the git revision to compare with (e.g. main)")
     ops.add_argument("--invariant", action="store_true",

@@ -93,3 +93,38 @@ def test_the_multi_turn_shape_measures_the_tree_against_the_one_level_plan(tmp_p
                                                         system + turn + 3 * turn + 2 * turn + turn, system + 4 * turn]
     assert all(float(row["max_abs_diff"]) < 1e-5 for row in rows)
     assert main(["bench", "fused", "--quick", "--shape", "multi-turn"]) == 2
+
+
+def test_the_model_shapes_measure_each_against_the_same_model_unshared(tmp_path, capsys):
+    """`--shape models`: a gated-delta-net hybrid, a DeepSeek-shaped model and the dense one at CP = 2
+    (two spawned ranks), each route's tokens, log-probs and activations against its own unshared row."""
+    pytest.importorskip("megatron.core")
+    from megatron_rl_patches.testing.gdn_gpt import megatron_gated_delta_net_served
+
+    if not megatron_gated_delta_net_served():
+        pytest.skip("the hybrid row runs megatron-core 0.16's GatedDeltaNet (megatron.core.ssm.gated_delta_net)")
+    from megatron_rl_patches.apps.bench.shared_prefix import SHARED, UNSHARED
+    from megatron_rl_patches.apps.bench.shared_prefix_models import MODELS, QUICK, UNSHARED_NOTE, case_name
+    from megatron_rl_patches.apps.cli import main
+
+    assert main(["bench", "shared-prefix", "--quick", "--shape", "models", "--out", str(tmp_path)]) == 0
+    ended = [line for line in capsys.readouterr().err.splitlines() if line.startswith("  case ")]
+    assert [line.split("): ", 1)[1].split(":")[0] for line in ended] == list(MODELS)
+    rows = list(csv.DictReader(open(tmp_path / "shared_prefix_models.csv", newline="")))
+    assert [(row["case"], row["packing"]) for row in rows] == [
+        (case_name(model, QUICK), route) for model in MODELS for route in (UNSHARED, SHARED)]
+    p, r, g = QUICK["case"]
+    for model, plain, shared in zip(MODELS, rows[::2], rows[1::2]):
+        assert plain["note"] == UNSHARED_NOTE[model]
+        assert (int(plain["tokens"]), int(shared["tokens"])) == (g * (p + r), p + g * r)
+        assert float(plain["train_vs_unshared"]) == 1.0 and float(shared["train_cpu_ms"]) > 0
+        assert float(shared["activations_MiB"]) < float(plain["activations_MiB"])
+        assert 0 < float(shared["max_abs_diff"]) < 1e-5, model  # computed another way, the same log-probs
+
+
+def test_an_unknown_shape_is_refused_naming_every_shape():
+    from megatron_rl_patches.apps.bench import shared_prefix
+
+    with pytest.raises(ValueError, match="got 'tree'") as refused:
+        shared_prefix.run(quick=True, shape="tree")
+    assert all(shape in str(refused.value) for shape in shared_prefix.ALL_SHAPES)
