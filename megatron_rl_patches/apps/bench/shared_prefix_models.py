@@ -9,7 +9,8 @@ model unshared, on three kinds of model slime ships, one GRPO group (P = 1,024, 
 - `deepseek` (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash): multi-latent attention (unfused YaRN RoPE), MoE
   with a sigmoid router, expert bias updated and a sequence aux loss (the router's statistics on in
   training), MTP of depth 1; unshared: the packed path with a plan that shares nothing (each sample
-  attending to itself, the dense row's unshared path);
+  attending to itself, the dense row's unshared path); the MTP block runs the logical rows on both
+  routes (`shared_prefix.mtp`), its attention each sample on its own (`per_sample_attention_class`);
 - `cp2`: the dense model at context parallelism 2 (2 gloo ranks spawned by the bench, the ids cut
   zigzag per sequence as megatron-core cuts them), against the same unshared at CP = 2; the CPU time
   summed over both ranks, the activations kept by the rank keeping more.
@@ -43,16 +44,18 @@ MODELS = ("hybrid", "deepseek", "cp2")
 SHAPES = (*MODELS, "models")  # `models`: the three in one table
 CASE = (1024, 128, 8)
 # narrower than the dense row's 4 x 512 (the bench's time); the vocabulary and the group as its
-FULL: dict[str, Any] = {"layers": 4, "hidden": 256, "heads": 4, "groups": 2, "vocab": 16384, "rounds": 3,
+FULL: dict[str, Any] = {"layers": 4, "hidden": 256, "heads": 4, "groups": 2, "vocab": 16384, "rounds": 2,
                         "warm_up": 1, "case": CASE, "experts": 8, "topk": 2}
 QUICK: dict[str, Any] = {"layers": 4, "hidden": 32, "heads": 4, "groups": 2, "vocab": 256, "rounds": 1,
                          "warm_up": 0, "case": (120, 8, 4), "experts": 4, "topk": 2}
 CP_SIZE = 2
+# DeepSeek-V3's vocabulary against its width (129,280 / 7,168): its MTP head scores every row on both routes
+DEEPSEEK_VOCAB_PER_HIDDEN = 18
 UNSHARED_NOTE = {"hybrid": "megatron-core's call, samples batched unpacked [G, P+R]",
                  "deepseek": "packed, a plan sharing nothing",
                  "cp2": "packed at CP = 2, a plan sharing nothing"}
 TITLES = {"hybrid": "Qwen3.5-shaped hybrid: gated delta nets 3:1 with attention",
-          "deepseek": "DeepSeek-shaped: MLA + MoE (expert bias, seq aux loss) + MTP 1",
+          "deepseek": "DeepSeek-shaped: MLA + MoE (expert bias, seq aux loss) + MTP 1, vocab 18 x hidden",
           "cp2": "dense at CP = 2 (zigzag, 2 gloo ranks)"}
 
 
@@ -131,6 +134,39 @@ def hybrid_model(plan: dict) -> Any:
     return build_gated_delta_net_gpt(config, vocab_size=plan["vocab"], seq_length=p + r, seed=0)
 
 
+def per_sample_attention_class() -> type:
+    """The kit's packed-input core whose plain packed (`thd`) input runs each sequence on its own,
+    causal (torch's SDPA), as Transformer Engine's core runs it on a GPU: the unshared route and the
+    MTP block (which runs the logical rows on both routes) then cost no dense [T, T] mask."""
+    import torch
+
+    from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+    class PerSampleAttention(packed_attention_class()):  # type: ignore[misc]
+        def forward(self, query: Any, key: Any, value: Any, attention_mask: Any, attn_mask_type: Any = None,
+                    attention_bias: Any = None, packed_seq_params: Any = None, **kwargs: Any) -> Any:
+            if packed_seq_params is None or query.dim() != 3:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params, **kwargs)
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
+            repeat = query.size(1) // key.size(1)
+            pieces = []
+            for start, end in zip(cu[:-1], cu[1:]):
+                q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, rows, d]
+                if repeat > 1:
+                    k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+                pieces.append(torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.softmax_scale).transpose(0, 1))
+            return torch.cat(pieces).reshape(query.size(0), -1)
+
+    return PerSampleAttention
+
+
+def deepseek_vocab(plan: dict) -> int:
+    return DEEPSEEK_VOCAB_PER_HIDDEN * plan["hidden"]
+
+
 def deepseek_model(plan: dict) -> Any:
     """MLA (query and key/value latents, a rotary part of its own, YaRN), every MLP an MoE of
     `experts` routed top-`topk` by a sigmoid router with expert bias updated and a sequence aux
@@ -141,7 +177,6 @@ def deepseek_model(plan: dict) -> Any:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from megatron_rl_patches.inference.loading.hf.families.mla import disarm_mocked_te_in_mla
-    from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
     hidden, heads = plan["hidden"], plan["heads"]
     head = hidden // heads
@@ -163,9 +198,10 @@ def deepseek_model(plan: dict) -> Any:
     disarm_mocked_te_in_mla()
     spec = get_gpt_layer_local_spec(num_experts=plan["experts"], moe_grouped_gemm=False, multi_latent_attention=True,
                                     qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
+    spec.submodules.self_attention.submodules.core_attention = per_sample_attention_class()
     torch.manual_seed(0)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=plan["vocab"], max_sequence_length=p + r,
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=deepseek_vocab(plan),
+                    max_sequence_length=p + r,
                     position_embedding_type="rope",
                     mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
 
@@ -260,7 +296,7 @@ def measure_deepseek(plan: dict) -> tuple[dict, dict]:
     with megatron_world("cpu"), moe_router_on_cpu():
         model = prepare_shared_prefix(deepseek_model(plan))
         model.train()
-        batch = micro_batch(p, r, g, plan["vocab"])
+        batch = micro_batch(p, r, g, deepseek_vocab(plan))
         params = {UNSHARED: plan_params(batch, share=False), SHARED: plan_params(batch, share=True)}
         passes: dict[str, Pass] = {route: functools.partial(one_pass, model, batch, params[route]) for route in params}
         measured = alternated(passes, plan["rounds"], plan["warm_up"])
