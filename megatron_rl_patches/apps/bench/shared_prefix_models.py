@@ -45,9 +45,9 @@ SHAPES = (*MODELS, "models")  # `models`: the three in one table
 CASE = (1024, 128, 8)
 # narrower than the dense row's 4 x 512 (the bench's time); the vocabulary and the group as its
 FULL: dict[str, Any] = {"layers": 4, "hidden": 256, "heads": 4, "groups": 2, "vocab": 16384, "rounds": 2,
-                        "warm_up": 1, "case": CASE, "experts": 8, "topk": 2}
+                        "warm_up": 1, "case": CASE, "experts": 8, "topk": 2, "mtp": 1}
 QUICK: dict[str, Any] = {"layers": 4, "hidden": 32, "heads": 4, "groups": 2, "vocab": 256, "rounds": 1,
-                         "warm_up": 0, "case": (120, 8, 4), "experts": 4, "topk": 2}
+                         "warm_up": 0, "case": (120, 8, 4), "experts": 4, "topk": 2, "mtp": 1}
 CP_SIZE = 2
 # DeepSeek-V3's vocabulary against its width (129,280 / 7,168): its MTP head scores every row on both routes
 DEEPSEEK_VOCAB_PER_HIDDEN = 18
@@ -194,7 +194,7 @@ def deepseek_model(plan: dict) -> Any:
         moe_token_dispatcher_type="allgather", moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
-        mtp_num_layers=1, mtp_loss_scaling_factor=0.1)
+        mtp_num_layers=plan["mtp"] or None, mtp_loss_scaling_factor=0.1)
     disarm_mocked_te_in_mla()
     spec = get_gpt_layer_local_spec(num_experts=plan["experts"], moe_grouped_gemm=False, multi_latent_attention=True,
                                     qk_layernorm=True, normalization="RMSNorm")
@@ -203,7 +203,8 @@ def deepseek_model(plan: dict) -> Any:
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=deepseek_vocab(plan),
                     max_sequence_length=p + r,
                     position_embedding_type="rope",
-                    mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+                    mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if plan["mtp"]
+                    else None)
 
 
 def cp_model(plan: dict) -> Any:
