@@ -43,7 +43,7 @@ from megatron_rl_patches.apps.bench.shared_prefix import (
 MODELS = ("hybrid", "deepseek", "cp2")
 SHAPES = (*MODELS, "models")  # `models`: the three in one table
 CASE = (1024, 128, 8)
-# narrower than the dense row's 4 x 512 (the bench's time); the vocabulary and the group as its
+# narrower than the dense row's 4 x 512 (the bench's time); the group and (but DeepSeek's) the vocabulary as its
 FULL: dict[str, Any] = {"layers": 4, "hidden": 256, "heads": 4, "groups": 2, "vocab": 16384, "rounds": 2,
                         "warm_up": 1, "case": CASE, "experts": 8, "topk": 2, "mtp": 1}
 QUICK: dict[str, Any] = {"layers": 4, "hidden": 32, "heads": 4, "groups": 2, "vocab": 256, "rounds": 1,
