@@ -34,16 +34,18 @@ routes the r-th share of the logical rows with megatron-core's own `routing` (th
 same group reductions, the same z-loss share as the packed path's rank r), gathers the routed
 shares back and hands each of its own physical rows the routing of a logical row that reads it.
 Both gathers send their gradient back reduce-scattered, so each row's gradient is the sum of what
-every rank made of it. Context parallelism is the same cut over the context-parallel group: the
-packed path's rank r routes its own share of the logical rows (zigzag or contiguous, as the caller
-cut the ids; under sequence parallelism too, its tensor-parallel rank's part of that share), so a
-planned router gathers every rank's physical logits, routes this rank's logical rows (megatron-core
-reduces the counts and losses over the tensor-and-context group as it does for the packed path),
-gathers the routed rows back and reads them at its physical rows. Sinkhorn in training beside
-context parallelism is refused by name: megatron-core's own context-parallel path balances each
-rank's share on its own, so no cut of the rows equals the batch balanced whole. Sinkhorn in training cannot be exact there: each rank balances its own
+every rank made of it. Sinkhorn in training cannot be exact there: each rank balances its own
 share of the rows, so the copies of a prefix token that land on different ranks route differently
-in the packed path, where the plan computes the token once; it is refused by name."""
+in the packed path, where the plan computes the token once; it is refused by name.
+
+Context parallelism is the same cut over the context-parallel group: the packed path's rank r routes
+its own share of the logical rows (zigzag or contiguous, as the caller cut the ids; under sequence
+parallelism too, its tensor-parallel rank's part of that share), so a planned router gathers every
+rank's physical logits, routes this rank's logical rows (megatron-core reduces the counts and losses
+over the tensor-and-context group as it does for the packed path), gathers the routed rows back and
+reads them at its physical rows. Sinkhorn in training beside context parallelism is refused by name:
+megatron-core's own context-parallel path balances each rank's share on its own, so no cut of the
+rows equals the batch balanced whole."""
 from __future__ import annotations
 
 import contextvars

@@ -122,10 +122,12 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
     parallel state `parallel` (megatron_on_cpu's keywords) widened by CP; the plan at CP = 2 (each rank
     its `layout` share of the ids) against the same samples packed whole at CP = 1, the same weights.
     Per (layout, index) of `runs`: (log-prob error, entropy error, objective error, gradient error, this
-    rank's sample rows) and, with `statistics`, (largest logged MoE loss error, the token counts summed
-    over the CP ranks equal, the bias after megatron's update equal). Under expert parallelism the expert
-    group must be the context-parallel one (EP = CP = 2): an expert's gradient then already holds every
-    CP rank's tokens (not summed again), and at CP = 1 both EP ranks ran the whole batch (halved)."""
+    rank's sample rows) and, with `statistics`, ({logged MoE loss: error}, how many routers' token counts
+    are equal, and their bias after megatron's update; 0 where one differs), the losses and counts over
+    the ranks that split the rows (TP and CP) as megatron-core's tracker and update reduce them.
+    Where the expert-parallel group is the context-parallel one (EP = CP = 2, TP = 1) an expert's
+    gradient already holds every CP rank's tokens (not summed again), and at CP = 1 both EP ranks ran
+    the whole batch (halved); where it is the tensor-parallel one (under SP) it is summed as the rest."""
     import torch
     from megatron.core import parallel_state
 
@@ -143,6 +145,20 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
                 torch.distributed.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
         return grads
 
+    def reported(statistics: dict, groups: list) -> dict:
+        """The logged losses over the ranks holding shares of the rows (`groups`), as megatron-core's
+        tracker reports them: a balancing loss summed (its reduce group), the z-loss (a mean over each
+        rank's equal share) averaged; the token counts summed."""
+        for counts in statistics["counts"]:
+            for group in groups:
+                torch.distributed.all_reduce(counts, group=group)
+        for name, values in statistics["losses"].items():
+            for group in groups:
+                torch.distributed.all_reduce(values, group=group)
+                if name == "z_loss":
+                    values /= torch.distributed.get_world_size(group)
+        return statistics
+
     def experts_of(model) -> set:  # megatron-core marks an expert's parameters not all-reduced over data
         return {name for name, param in model.named_parameters() if not getattr(param, "allreduce", True)}
 
@@ -159,17 +175,14 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
                                                        batch.labels[0, batch.rows], tp_group=tp, with_entropy=True)
             loss = objective(log_probs, entropy, seed=index)
             loss.backward()
-            grads = norms_summed(model, collect_grads(model))
-            for name in experts_of(model):  # each EP rank ran the whole batch: the expert saw it twice
-                grads[name] /= parallel.get("expert_parallel", 1)
-            want[index] = (log_probs.detach(), entropy.detach(), float(loss), grads,
-                           read_statistics(model, before) if statistics else None)
+            want[index] = (log_probs.detach(), entropy.detach(), float(loss), norms_summed(model, collect_grads(model)),
+                           reported(read_statistics(model, before), [tp]) if statistics else None)
     out = {}
     with megatron_on_cpu(**parallel, context_parallel=2):
         tp, cp = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
-        if parallel.get("expert_parallel", 1) > 1:
-            ranks = torch.distributed.get_process_group_ranks
-            assert ranks(parallel_state.get_expert_model_parallel_group()) == ranks(cp)
+        ranks = torch.distributed.get_process_group_ranks
+        experts_over_cp = (parallel.get("expert_parallel", 1) > 1
+                           and ranks(parallel_state.get_expert_model_parallel_group()) == ranks(cp))
         model = build(2)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -193,28 +206,23 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
             loss.backward()
             summed = loss.detach().clone()
             torch.distributed.all_reduce(summed, group=cp)
-            want_lp, want_ent, want_loss, want_grads, want_statistics = want[index]
+            want_lp, want_ent, want_loss, _, want_statistics = want[index]
             grads = norms_summed(model, collect_grads(model))
-            for name in set(grads) - experts_of(model):
+            experts = experts_of(model) if experts_over_cp else set()
+            for name in set(grads) - experts:
                 torch.distributed.all_reduce(grads[name], group=cp)
+            want_grads = {name: grad / 2 if name in experts else grad for name, grad in want[index][3].items()}
             checks = (relative_error(log_probs, want_lp[rows]), relative_error(entropy, want_ent[rows]),
                       abs(float(summed) - want_loss) / max(1.0, abs(want_loss)), grad_error(grads, want_grads),
                       int(rows.numel()))
             if statistics:
-                got = read_statistics(model, before)
-                losses = {}
-                for name, values in got["losses"].items():  # as megatron-core's tracker reduces them: a balancing
-                    torch.distributed.all_reduce(values, group=cp)  # loss summed over the ranks (its reduce group),
-                    if name == "z_loss":  # the z-loss (a mean over each rank's equal share) averaged
-                        values /= 2
-                    losses[name] = relative_error(values, want_statistics["losses"][name])
-                for counts in got["counts"]:
-                    torch.distributed.all_reduce(counts, group=cp)
-                checks += (losses,
-                           len(got["counts"]) and all(torch.equal(g, w) for g, w in zip(got["counts"],
-                                                                                         want_statistics["counts"])),
-                           len(got["bias"]) and all(torch.equal(g, w) for g, w in zip(got["bias"],
-                                                                                      want_statistics["bias"])))
+                got = reported(read_statistics(model, before), [tp, cp])
+                losses = {name: relative_error(values, want_statistics["losses"][name])
+                          for name, values in got["losses"].items()}
+                equal = {kind: len(got[kind]) if all(torch.equal(g, w) for g, w in zip(got[kind],
+                                                                                       want_statistics[kind]))
+                         else 0 for kind in ("counts", "bias")}  # how many routers' are equal (0: one differs)
+                checks += (losses, equal["counts"], equal["bias"])
             out[(layout, index)] = checks
     return out
 

@@ -5,8 +5,8 @@ contiguous share of the ids; log-probs, entropy, the objective and every gradien
 ranks, the norms' over the TP ranks) equal the same samples packed whole at CP = 1 with the same
 weights, at CP = 2 x TP = 2 with sequence parallelism; an MoE model at CP = 2 x EP = 2 (expert bias at
 update rate 0, as slime's MoE scripts run it; and with an aux loss, z-loss and expert-bias updates
-acting: the logged losses and the token counts summed over the CP ranks, the bias after megatron's
-update); multi-latent attention at CP = 2 (its own rotary table read at each physical row's position
+acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the token counts over the CP
+ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary table read at each physical row's position
 on each rank's share, values narrower than queries and keys gathered over the ranks); CP = 2 x PP = 2
 through megatron-core's schedule. MTP beside context parallelism is refused by name on all four
 ranks alike before anything runs."""
@@ -44,7 +44,7 @@ def _moe_batches():
             constant_padding(((33, (3, 7)), (21, (3, 7, 11))), (), padding=8, seed=1)]
 
 
-def _moe(statistics: bool, runs) -> dict:
+def _moe(statistics: bool, runs, sequence_parallel: bool = False) -> dict:
     from kit.context_parallel_prefix import beside_exactness, context_parallel_served
     from kit.moe_statistics import STATISTICS
 
@@ -57,13 +57,17 @@ def _moe(statistics: bool, runs) -> dict:
     at_rate_0 = dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
                      moe_router_score_function="sigmoid")
 
+    split = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
+
     def build(cp: int):
         config = tiny_moe_config(expert_parallel=2, context_parallel_size=cp, num_query_groups=2,
-                                 **(acting if statistics else at_rate_0))
+                                 **(split if sequence_parallel else {}), **(acting if statistics else at_rate_0))
         return build_packed_gpt(seq_length=512, seed=9, config=config,
                                 context_parallel_layout="zigzag" if cp > 1 else None)
 
-    return beside_exactness(build, dict(expert_parallel=2), _moe_batches(), runs, statistics=statistics)
+    parallel = dict(expert_parallel=2, **(dict(tensor_parallel=2, expert_tensor_parallel=1) if sequence_parallel
+                                          else {}))
+    return beside_exactness(build, parallel, _moe_batches(), runs, statistics=statistics)
 
 
 def _latent_attention() -> dict:
@@ -86,6 +90,7 @@ def _world(rank: int, world_size: int) -> dict:
     return {"cp2-tp2-sp": context_parallel_exactness(2, True, [("zigzag", 2), ("contiguous", 0)]),
             "cp2-ep2-moe": _moe(False, [("zigzag", 0), ("contiguous", 1)]),
             "cp2-ep2-statistics": _moe(True, [("zigzag", 1)]),
+            "cp2-tp2-sp-ep2-statistics": _moe(True, [("contiguous", 0)], sequence_parallel=True),
             "cp2-mla": _latent_attention(),
             "cp2-pp2": pipeline_exactness(),
             "cp2-mtp": _mtp_refusal()}
@@ -114,14 +119,17 @@ def test_moe_beside_context_parallelism_routes_each_token_as_packed_whole(world,
     assert_exact([rank["cp2-ep2-moe"] for rank in world], layout)
 
 
-@layouts.mark("moe", "ep2", "cp2-zigzag")
-def test_moe_statistics_beside_context_parallelism_count_each_samples_rows_across_the_ranks(world):
+@layouts.mark("moe", "ep2")
+@pytest.mark.parametrize("layout", [
+    pytest.param("cp2-ep2-statistics", marks=layouts.mark("cp2-zigzag")),
+    pytest.param("cp2-tp2-sp-ep2-statistics", marks=layouts.mark("cp2-allgather", "tp2", "sp"))])
+def test_moe_statistics_beside_context_parallelism_count_each_samples_rows_across_the_ranks(world, layout):
     from kit.context_parallel_prefix import GRAD_TOL, TOL
 
-    if not world[0]["cp2-ep2-statistics"]:
+    if not world[0][layout]:
         pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
     for rank in world:
-        (lp, ent, loss, grads, rows, losses, counts, bias), = rank["cp2-ep2-statistics"].values()
+        (lp, ent, loss, grads, rows, losses, counts, bias), = rank[layout].values()
         assert rows > 0 and lp < TOL and ent < TOL and loss < TOL and grads < GRAD_TOL, (lp, ent, loss, grads)
         assert set(losses) == {"load_balancing_loss", "z_loss"} and max(losses.values()) < TOL, losses
         assert counts == bias == 2, (counts, bias)  # both layers' counts and updated bias
