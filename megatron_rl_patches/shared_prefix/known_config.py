@@ -149,9 +149,10 @@ UNTESTED = "the plan has not been tested with it; leave it at its default or do 
 FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
     "context_parallel_size": checked(
-        "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE and pipeline stages (variable_seq_lengths)"
-        ", without MTP, gated delta nets, windows or sinks (tested at CP = 2; CP = 2 x TP = 2 + SP; MoE at CP = 2 "
-        "with EP = 2, its statistics too; MLA at CP = 2; CP = 2 x PP = 2)",
+        "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE and pipeline stages "
+        "(variable_seq_lengths), without MTP, gated delta nets, windows or sinks (tested at CP = 2; CP = 2 x TP = 2 + "
+        "SP; MoE at CP = 2 x EP = 2, its statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; "
+        "CP = 2 x PP = 2)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
         what="context parallelism beside MTP, a gated delta net, a sliding window or an attention sink",
         why="the MTP block runs the micro-batch's logical rows through megatron-core's own context-parallel roll and "
@@ -220,7 +221,7 @@ FIELDS: dict[str, Known] = {
         "or context parallelism); any in forward-only passes",
         lambda v, s: set(_kinds(v)) <= set(LOSSES) and not ("sinkhorn" in _kinds(v) and (
             _split_rows(s) or int(s.get("context_parallel_size") or 1) > 1)),
-        "MoE quantile load balancing, or Sinkhorn's under sequence or context parallelism, in training",
+        "MoE quantile load balancing, or Sinkhorn's under sequence parallelism or context parallelism, in training",
         "quantile balancing keeps a running estimate over the batch's tokens the package has not shown exact; "
         "Sinkhorn balances each rank's share of the rows on its own, so under sequence or context parallelism the "
         "samples sharing a prefix token route it differently on different ranks, where the plan computes it once; "

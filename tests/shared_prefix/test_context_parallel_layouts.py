@@ -1,15 +1,15 @@
 """A shared-prefix plan at context parallelism beside the other layouts and model features, on real
 megatron-core over 4 gloo ranks (one world for the module; megatron's parallel state made again for
 each layout): each CP rank builds the plan of the whole micro-batch and passes its zigzag or
-contiguous share of the ids; log-probs, entropy, the objective and every gradient (summed over the CP
-ranks, the norms' over the TP ranks) equal the same samples packed whole at CP = 1 with the same
-weights, at CP = 2 x TP = 2 with sequence parallelism; an MoE model at CP = 2 x EP = 2 (expert bias at
-update rate 0, as slime's MoE scripts run it; and with an aux loss, z-loss and expert-bias updates
-acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the token counts over the CP
-ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary table read at each physical row's position
-on each rank's share, values narrower than queries and keys gathered over the ranks); CP = 2 x PP = 2
-through megatron-core's schedule. MTP beside context parallelism is refused by name on all four
-ranks alike before anything runs."""
+contiguous share of the ids; log-probs, entropy, the objective and every gradient (summed over the
+CP ranks, the norms' over the TP ranks) equal the same samples packed whole at CP = 1 with the same
+weights, at CP = 2 x TP = 2 with sequence parallelism; an MoE model at CP = 2 x EP = 2 (expert bias
+at update rate 0, as slime's MoE scripts run it; and with an aux loss, z-loss and expert-bias
+updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the token counts over
+the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
+table read at each physical row's position on each rank's share, values narrower than queries and
+keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule. MTP beside context
+parallelism is refused by name on all four ranks alike before anything runs."""
 from __future__ import annotations
 
 import pytest
