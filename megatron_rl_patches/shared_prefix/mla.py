@@ -28,10 +28,8 @@ import functools
 import inspect
 from typing import Any
 
-import torch
-
 from megatron_rl_patches.model.arguments import ArgumentsByName
-from megatron_rl_patches.shared_prefix.context_parallel import WholeRotaryTable, group_share
+from megatron_rl_patches.shared_prefix.context_parallel import Share, WholeRotaryTable, group_share, taken
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 WHOLE_TABLE = WholeRotaryTable()  # one instance: the rotary module's cache keys on its arguments
@@ -39,14 +37,14 @@ WHOLE_TABLE = WholeRotaryTable()  # one instance: the rotary module's cache keys
 
 class PlannedLength(int):
     """The rotary length MLA asks for under a plan: the rows this rank runs (the stream's, or its
-    context-parallel share's), with the plan and those rows' positions."""
+    context-parallel `share`'s), with the plan."""
 
     plan: SharedPrefixPlan
-    positions: torch.Tensor
+    share: Share | None
 
-    def __new__(cls, plan: SharedPrefixPlan, positions: torch.Tensor) -> PlannedLength:
-        length = super().__new__(cls, int(positions.numel()))
-        length.plan, length.positions = plan, positions
+    def __new__(cls, plan: SharedPrefixPlan, share: Share | None) -> PlannedLength:
+        length = super().__new__(cls, plan.physical_length if share is None else int(share.physical.numel()))
+        length.plan, length.share = plan, share
         return length
 
 
@@ -79,14 +77,17 @@ class PlannedRotary:
     """The mark of a rotary module whose class `planned_rotary_class` made."""
 
 
-def _at_positions(table: Any, positions: torch.Tensor) -> Any:
+def _at_positions(table: Any, length: PlannedLength) -> Any:
     """[longest, 1, 1, d] -> [rows, 1, d]: row i at this rank's physical row i's position
     (megatron-core squeezed the packed batch of MLA's queries and keys, [rows, heads, d])."""
-    return table.index_select(0, positions.to(table.device)).squeeze(1)
+    plan, share = length.plan, length.share
+    positions = (plan.on(table.device, "positions") if share is None
+                 else taken(plan, share, "positions", "physical", table.device))
+    return table.index_select(0, positions).squeeze(1)
 
 
-def _rows_positions(rotary: Any, config: Any, plan: SharedPrefixPlan, params: Any) -> torch.Tensor:
-    """The positions of the physical rows this rank runs: the stream's, or its context-parallel share's."""
+def _share(rotary: Any, config: Any, plan: SharedPrefixPlan, params: Any) -> Share | None:
+    """This rank's context-parallel share of the plan (None: it runs the whole stream)."""
     group = None
     if int(getattr(config, "context_parallel_size", 1) or 1) > 1:
         group = getattr(rotary, "cp_group", None)
@@ -95,10 +96,7 @@ def _rows_positions(rotary: Any, config: Any, plan: SharedPrefixPlan, params: An
 
             group = parallel_state.get_context_parallel_group()
     held = group_share(group, plan, params)
-    if held is None:
-        return plan.positions
-    share = held[0]
-    return plan.cached(("mla-positions", share.size, share.rank), lambda: plan.positions[share.physical])
+    return None if held is None else held[0]
 
 
 @functools.cache
@@ -122,19 +120,19 @@ def planned_rotary_class(cls: Any) -> type:
         refused = refusal(config)
         if refused is not None:
             raise ValueError(f"shared prefix: {refused} is not taken with a shared-prefix plan")
-        return PlannedLength(plan, _rows_positions(self, config, plan, call.get("packed_seq_params")))
+        return PlannedLength(plan, _share(self, config, plan, call.get("packed_seq_params")))
 
     def forward(self: Any, max_seq_len: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(max_seq_len, PlannedLength):
             return cls.forward(self, max_seq_len, *args, **kwargs)
-        plan, positions = max_seq_len.plan, max_seq_len.positions
+        plan = max_seq_len.plan
         if _takes_cp_group(cls):  # megatron-core 0.16+: the whole table, never one rank's cut of it
             kwargs["cp_group"] = WHOLE_TABLE
         # a plain int: the class's own forward keeps its cache per length
         made = cls.forward(self, plan.longest, *args, **kwargs)
         if isinstance(made, tuple):  # YaRN: (table, mscale)
-            return (_at_positions(made[0], positions), *made[1:])
-        return _at_positions(made, positions)
+            return (_at_positions(made[0], max_seq_len), *made[1:])
+        return _at_positions(made, max_seq_len)
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedRotary),
                 {"get_rotary_seq_len": get_rotary_seq_len, "forward": forward, "__module__": cls.__module__,
