@@ -14,7 +14,9 @@ forward an all-gather, backward the gradients summed over the group, each rank k
 rows) and computes its own rows against them (`pieces_of_rows`: the rule's blocks read at this
 rank's query rows); the decoder's output is gathered the same way and read at this rank's logical
 rows. Causal attention and the tree rule only say which keys a row sees, so the result is the one
-rank's result, exactly."""
+rank's result, exactly. The other seams read the same share: multi-latent attention's own rotary
+table at the share's positions (`mla`), an MoE router's statistics on the rank's logical rows
+(`moe_statistics`), and each pipeline stage runs the share its previous stage sent."""
 from __future__ import annotations
 
 from dataclasses import dataclass
