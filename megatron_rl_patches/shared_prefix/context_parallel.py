@@ -14,7 +14,9 @@ forward an all-gather, backward the gradients summed over the group, each rank k
 rows) and computes its own rows against them (`pieces_of_rows`: the rule's blocks read at this
 rank's query rows); the decoder's output is gathered the same way and read at this rank's logical
 rows. Causal attention and the tree rule only say which keys a row sees, so the result is the one
-rank's result, exactly."""
+rank's result, exactly. The other seams read the same share: multi-latent attention's own rotary
+table at the share's positions (`mla`), an MoE router's statistics on the rank's logical rows
+(`moe_statistics`), and each pipeline stage runs the share its previous stage sent."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,13 +44,14 @@ def check_logical_layout(layout: Any) -> str:
 class Share:
     """One context-parallel rank's share of a plan: its `physical` rows (of the stream the model
     runs), where each physical row lies in the ranks' shares gathered in rank order (`gathered`
-    [S]), and its `logical` rows (of the ids as packed, cut as the caller cut them)."""
+    [S]), and its `logical` rows (of the ids as packed, cut as the caller cut them: `layout`)."""
 
     size: int
     rank: int
     physical: torch.Tensor
     gathered: torch.Tensor
     logical: torch.Tensor
+    layout: str
 
 
 def physical_share(plan: SharedPrefixPlan, size: int, rank: int) -> torch.Tensor:
@@ -79,7 +82,7 @@ def share_of(plan: SharedPrefixPlan, size: int, rank: int, layout: str) -> Share
         except ValueError as exc:
             raise ValueError(f"shared prefix: the micro-batch cannot be cut over {size} context-parallel ranks in "
                              f"the {layout} layout: {exc}") from None
-        return Share(size, rank, physical, gathered, logical)
+        return Share(size, rank, physical, gathered, logical, layout)
 
     return plan.cached(("cp-share", size, rank, check_logical_layout(layout)), build)
 
@@ -180,8 +183,23 @@ def context_parallel_group(module: Any) -> Any | None:
 
 def module_share(module: Any, plan: SharedPrefixPlan, params: Any) -> tuple[Share, Any] | None:
     """(this rank's share of `plan`, the group) for a module of a context-parallel model, or None."""
-    group = context_parallel_group(module)
-    if group is None:
+    return group_share(context_parallel_group(module), plan, params)
+
+
+def group_share(group: Any, plan: SharedPrefixPlan, params: Any) -> tuple[Share, Any] | None:
+    """(this rank's share of `plan` over `group`, the group), or None for no group or one rank."""
+    if group is None or dist.get_world_size(group) == 1:
         return None
     layout = getattr(params, "cp_layout", "zigzag")
     return share_of(plan, dist.get_world_size(group), dist.get_rank(group), layout), group
+
+
+def gathered_logical_order(plan: SharedPrefixPlan, share: Share, device: Any) -> torch.Tensor:
+    """[T]: where each logical row lies in every rank's logical rows gathered in rank order (cached)."""
+    def build() -> torch.Tensor:
+        every = torch.cat([share_of(plan, share.size, r, share.layout).logical for r in range(share.size)])
+        order = torch.empty(plan.logical_length, dtype=torch.int64)
+        order[every] = torch.arange(every.numel())
+        return order.to(device)
+
+    return plan.cached(("cp-logical-order", share.size, share.layout, str(torch.device(device))), build)

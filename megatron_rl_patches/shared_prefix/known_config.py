@@ -133,10 +133,11 @@ def _split_rows(s: Settings) -> bool:
 
 
 def _context_parallel_served(s: Settings) -> bool:
-    """Context parallelism where the plan's cut is tested: dense softmax attention, one pipeline stage."""
-    return (not s.get("multi_latent_attention") and not s.get("mtp_num_layers") and _no_moe(s)
-            and not s.get("experimental_attention_variant")
-            and _one(s, "pipeline") and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
+    """Context parallelism where the plan's cut is tested: a GPTModel's dense or multi-latent attention, MoE
+    (every statistic but Sinkhorn's, read by its own field) and pipeline stages; no MTP block, recurrent
+    layers, windows or sinks."""
+    return (not s.get("mtp_num_layers") and not s.get("experimental_attention_variant")
+            and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
 
 
 def _statistics(s: Settings) -> bool:
@@ -148,13 +149,16 @@ UNTESTED = "the plan has not been tested with it; leave it at its default or do 
 FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
     "context_parallel_size": checked(
-        "1; 2 or more on a GPTModel without multi-latent attention, MTP, MoE, gated delta nets, windows or sinks, at "
-        "PP = 1 (tested at CP = 2 and CP = 2 x TP = 2)",
+        "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE and pipeline stages "
+        "(variable_seq_lengths), without MTP, gated delta nets, windows or sinks (tested at CP = 2; CP = 2 x TP = 2 + "
+        "SP; MoE at CP = 2 x EP = 2, its statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; "
+        "CP = 2 x PP = 2)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
-        what="context parallelism beside multi-latent attention, MTP, MoE, a gated delta net, a sliding window, an "
-             "attention sink or pipeline parallelism",
-        why="the plan's stream is cut over the context-parallel ranks only for dense attention layers on one pipeline "
-            "stage (tested); run these models with context_parallel_size=1 or without a sharing plan"),
+        what="context parallelism beside MTP, a gated delta net, a sliding window or an attention sink",
+        why="the MTP block runs the micro-batch's logical rows through megatron-core's own context-parallel roll and "
+            "attention, which a plan's logical share does not feed; the recurrent layers and the package's windows "
+            "and sinks are not cut over context-parallel ranks (not tested); run these models with "
+            "context_parallel_size=1 or without a sharing plan"),
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),
@@ -214,13 +218,14 @@ FIELDS: dict[str, Known] = {
                                "which tokens drop depends on the batch's tokens"),
     "moe_router_load_balancing_type": _moe_training(
         f"{' or '.join(map(repr, LOSSES))} in training (their statistics as below; Sinkhorn without sequence "
-        "parallelism); any in forward-only passes",
-        lambda v, s: set(_kinds(v)) <= set(LOSSES) and not ("sinkhorn" in _kinds(v) and _split_rows(s)),
-        "MoE quantile load balancing, or Sinkhorn's under sequence parallelism, in training",
+        "or context parallelism); any in forward-only passes",
+        lambda v, s: set(_kinds(v)) <= set(LOSSES) and not ("sinkhorn" in _kinds(v) and (
+            _split_rows(s) or int(s.get("context_parallel_size") or 1) > 1)),
+        "MoE quantile load balancing, or Sinkhorn's under sequence parallelism or context parallelism, in training",
         "quantile balancing keeps a running estimate over the batch's tokens the package has not shown exact; "
-        "Sinkhorn balances each rank's share of the rows on its own, so under sequence parallelism the samples "
-        "sharing a prefix token route it differently on different ranks, where the plan computes it once; use "
-        "'none' or an aux loss (Sinkhorn runs exact without sequence parallelism)"),
+        "Sinkhorn balances each rank's share of the rows on its own, so under sequence or context parallelism the "
+        "samples sharing a prefix token route it differently on different ranks, where the plan computes it once; "
+        "use 'none' or an aux loss (Sinkhorn runs exact without sequence or context parallelism)"),
     "moe_aux_loss_coeff": _moe_training(
         "any in training where the router's statistics run on each sample's tokens (MoE not recomputed alone; "
         "tested at 1 rank, EP = 2, TP = 2 + SP with EP = 2)",

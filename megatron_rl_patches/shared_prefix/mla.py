@@ -12,6 +12,12 @@ row of the stream (the whole stream is one sequence: megatron-core takes the tab
 as many as the stream has, and rotates row i by table row i). The plan travels with the call's
 arguments, never in module state; a call without a plan runs the module's own methods.
 
+Under context parallelism each rank holds its share of the physical stream: the table comes back
+one row per row of that share, each at its own row's position, and the rotary module is asked for
+the whole table (its own `cp_group` would cut it per rank as for an unpacked sequence). The
+queries, keys and values (narrower than the keys) then reach the plan's core attention, which
+gathers keys and values over the ranks (`context_parallel`).
+
 Refused by name under a plan: the fused MLA RoPE (`apply_rope_fusion`: its kernel takes each
 token's position from cu_seqlens), interleaved rotary halves, and DSA's sparse attention (its
 indexer reads cu_seqlens itself)."""
@@ -19,20 +25,26 @@ indexer reads cu_seqlens itself)."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.shared_prefix.context_parallel import Share, WholeRotaryTable, group_share, taken
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+
+WHOLE_TABLE = WholeRotaryTable()  # one instance: the rotary module's cache keys on its arguments
 
 
 class PlannedLength(int):
-    """The rotary length MLA asks for under a plan: the stream's rows, with the plan."""
+    """The rotary length MLA asks for under a plan: the rows this rank runs (the stream's, or its
+    context-parallel `share`'s), with the plan."""
 
     plan: SharedPrefixPlan
+    share: Share | None
 
-    def __new__(cls, plan: SharedPrefixPlan) -> PlannedLength:
-        length = super().__new__(cls, plan.physical_length)
-        length.plan = plan
+    def __new__(cls, plan: SharedPrefixPlan, share: Share | None) -> PlannedLength:
+        length = super().__new__(cls, plan.physical_length if share is None else int(share.physical.numel()))
+        length.plan, length.share = plan, share
         return length
 
 
@@ -65,10 +77,34 @@ class PlannedRotary:
     """The mark of a rotary module whose class `planned_rotary_class` made."""
 
 
-def _at_positions(table: Any, plan: SharedPrefixPlan) -> Any:
-    """[longest, 1, 1, d] -> [stream rows, 1, d]: row i at physical row i's position (megatron-core
-    squeezed the packed batch of MLA's queries and keys, [rows, heads, d])."""
-    return table.index_select(0, plan.on(table.device, "positions")).squeeze(1)
+def _at_positions(table: Any, length: PlannedLength) -> Any:
+    """[longest, 1, 1, d] -> [rows, 1, d]: row i at this rank's physical row i's position
+    (megatron-core squeezed the packed batch of MLA's queries and keys, [rows, heads, d])."""
+    plan, share = length.plan, length.share
+    positions = (plan.on(table.device, "positions") if share is None
+                 else taken(plan, share, "positions", "physical", table.device))
+    return table.index_select(0, positions).squeeze(1)
+
+
+def _share(rotary: Any, config: Any, plan: SharedPrefixPlan, params: Any) -> Share | None:
+    """This rank's context-parallel share of the plan (None: it runs the whole stream)."""
+    group = None
+    if int(getattr(config, "context_parallel_size", 1) or 1) > 1:
+        group = getattr(rotary, "cp_group", None)
+        if group is None:
+            from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+            group = parallel_state.get_context_parallel_group()
+    held = group_share(group, plan, params)
+    return None if held is None else held[0]
+
+
+@functools.cache
+def _takes_cp_group(cls: Any) -> bool:
+    try:
+        return "cp_group" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @functools.cache
@@ -80,20 +116,23 @@ def planned_rotary_class(cls: Any) -> type:
         plan = shared_prefix_plan_of(call.get("packed_seq_params"))
         if plan is None:
             return cls.get_rotary_seq_len(self, *args, **kwargs)
-        refused = refusal(call.get("transformer_config"))
+        config = call.get("transformer_config")
+        refused = refusal(config)
         if refused is not None:
             raise ValueError(f"shared prefix: {refused} is not taken with a shared-prefix plan")
-        return PlannedLength(plan)
+        return PlannedLength(plan, _share(self, config, plan, call.get("packed_seq_params")))
 
     def forward(self: Any, max_seq_len: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(max_seq_len, PlannedLength):
             return cls.forward(self, max_seq_len, *args, **kwargs)
         plan = max_seq_len.plan
+        if _takes_cp_group(cls):  # megatron-core 0.16+: the whole table, never one rank's cut of it
+            kwargs["cp_group"] = WHOLE_TABLE
         # a plain int: the class's own forward keeps its cache per length
         made = cls.forward(self, plan.longest, *args, **kwargs)
         if isinstance(made, tuple):  # YaRN: (table, mscale)
-            return (_at_positions(made[0], plan), *made[1:])
-        return _at_positions(made, plan)
+            return (_at_positions(made[0], max_seq_len), *made[1:])
+        return _at_positions(made, max_seq_len)
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedRotary),
                 {"get_rotary_seq_len": get_rotary_seq_len, "forward": forward, "__module__": cls.__module__,

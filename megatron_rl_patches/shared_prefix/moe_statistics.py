@@ -36,7 +36,16 @@ shares back and hands each of its own physical rows the routing of a logical row
 Both gathers send their gradient back reduce-scattered, so each row's gradient is the sum of what
 every rank made of it. Sinkhorn in training cannot be exact there: each rank balances its own
 share of the rows, so the copies of a prefix token that land on different ranks route differently
-in the packed path, where the plan computes the token once; it is refused by name."""
+in the packed path, where the plan computes the token once; it is refused by name.
+
+Context parallelism is the same cut over the context-parallel group: the packed path's rank r routes
+its own share of the logical rows (zigzag or contiguous, as the caller cut the ids; under sequence
+parallelism too, its tensor-parallel rank's part of that share), so a planned router gathers every
+rank's physical logits, routes this rank's logical rows (megatron-core reduces the counts and losses
+over the tensor-and-context group as it does for the packed path), gathers the routed rows back and
+reads them at its physical rows. Sinkhorn in training beside context parallelism is refused by name:
+megatron-core's own context-parallel path balances each rank's share on its own, so no cut of the
+rows equals the batch balanced whole."""
 from __future__ import annotations
 
 import contextvars
@@ -46,12 +55,21 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.shared_prefix.context_parallel import (
+    GatheredStream,
+    Share,
+    gathered_logical_order,
+    gathered_stream,
+    module_share,
+    taken,
+)
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 # not an argument: megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params;
-# the plan is set by the transformer layer's pre-hook for that one call and reset by a hook that always runs
-LAYER_PLAN: contextvars.ContextVar[SharedPrefixPlan | None] = contextvars.ContextVar(
-    "megatron_rl_patches_shared_prefix_layer_plan", default=None)
+# the call's params (holding the plan) are set by the transformer layer's pre-hook for that one call and reset by
+# a hook that always runs
+LAYER_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "megatron_rl_patches_shared_prefix_layer_params", default=None)
 
 
 def is_router(module: Any) -> bool:
@@ -85,17 +103,18 @@ def prepare_moe_layer(layer: Any) -> None:
 
 
 def plan_for_the_call(layer: Any, args: tuple, kwargs: dict) -> None:
-    plan = shared_prefix_plan_of(ArgumentsByName.of_forward(layer, args, kwargs).get("packed_seq_params"))
+    params = ArgumentsByName.of_forward(layer, args, kwargs).get("packed_seq_params")
+    plan = shared_prefix_plan_of(params)
     if plan is not None and layer.training and counts_statistics(layer.mlp.router):
         if getattr(layer, "recompute_mlp", False) or getattr(layer.mlp, "moe_layer_recompute", False):
             raise ValueError("shared prefix: MoE routing statistics in training with the MLP / MoE module "
                              "recomputed on its own (recompute_modules 'mlp' / 'moe') are not taken with a "
                              "shared-prefix plan; recompute whole layers (recompute_granularity='full') or none")
-    LAYER_PLAN.set(plan)
+    LAYER_PARAMS.set(params if plan is not None else None)
 
 
 def end_of_the_call(layer: Any, args: tuple, output: Any) -> None:
-    LAYER_PLAN.set(None)
+    LAYER_PARAMS.set(None)
 
 
 def _reader(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
@@ -129,6 +148,46 @@ def _sequence_shares(router: Any, plan: SharedPrefixPlan, rows: int) -> tuple[in
     return count, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
 
 
+def _context_parallel_routing(cls: Any, router: Any, flat: torch.Tensor, plan: SharedPrefixPlan, share: Share,
+                               group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cls.routing` of this rank's logical rows (its context-parallel share, and of that its
+    sequence-parallel share), every rank's physical logits gathered; read back at this rank's
+    physical rows from every rank's routed logical rows."""
+    if router.routing_type == "sinkhorn":
+        raise ValueError("shared prefix: Sinkhorn load balancing in training beside context parallelism is not taken "
+                         "with a shared-prefix plan (each rank balances its own share of the rows)")
+    from megatron.core import tensor_parallel  # lazy: optional dependency megatron-core
+
+    rows, held = flat.shape[0], share.physical.numel()
+    count, rank, tp_group = 1, 0, None
+    if rows != held:
+        shares = _sequence_shares(router, plan, rows * share.size)  # this CP rank's share of the rows, over TP
+        assert shares is not None
+        count, rank, tp_group = shares
+        if rows * count != held or share.logical.numel() % count:
+            raise ValueError(f"shared prefix: the router sees {rows} rows, this context-parallel rank's share of the "
+                             f"plan's stream {held}: its {share.logical.numel()} logical rows must split evenly over "
+                             f"the {count} tensor-parallel ranks")
+        flat = tensor_parallel.gather_from_sequence_parallel_region(flat, group=tp_group)
+    whole = gathered_stream(flat, plan, share, group)
+    logical = taken(plan, share, "logical_rows", "logical", whole.device)
+    part = logical.numel() // count
+    probs, routing_map = cls.routing(router, whole.index_select(0, logical[rank * part:(rank + 1) * part]).unsqueeze(1))
+    with torch.no_grad():  # gloo gathers no bool: the routing map as bytes
+        routing_bytes = routing_map.to(torch.uint8)
+    if count > 1:
+        probs = tensor_parallel.gather_from_sequence_parallel_region(probs, group=tp_group)
+        with torch.no_grad():
+            routing_bytes = tensor_parallel.gather_from_sequence_parallel_region(routing_bytes, group=tp_group)
+    every_probs = GatheredStream.apply(probs, group)
+    with torch.no_grad():
+        every_map = GatheredStream.apply(routing_bytes, group)
+    physical = share.physical.to(probs.device)[rank * rows:(rank + 1) * rows]
+    reader = gathered_logical_order(plan, share, probs.device).index_select(
+        0, _reader(plan, probs.device).index_select(0, physical))
+    return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
+
+
 class PlannedRouter:
     """The mark of a router whose class `planned_router_class` made."""
 
@@ -138,13 +197,17 @@ def planned_router_class(cls: Any) -> type:
     """`cls` (a top-k router) routing a plan's logical rows in training when it counts statistics."""
 
     def routing(self: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        plan = LAYER_PLAN.get()
+        params = LAYER_PARAMS.get()
+        plan = shared_prefix_plan_of(params)
         if plan is None or not self.training or not counts_statistics(self):
             return cls.routing(self, logits, *args, **kwargs)
         if args or kwargs.get("padding_mask") is not None:
             raise ValueError("shared prefix: a padding mask is not taken with a shared-prefix plan")
         rows = logits.shape[0] * logits.shape[1]
         flat = logits.reshape(rows, logits.shape[-1])
+        held = module_share(self, plan, params)
+        if held is not None:
+            return _context_parallel_routing(cls, self, flat, plan, *held)
         shares = _sequence_shares(self, plan, rows)
         if shares is None:
             logical = flat.index_select(0, plan.on(flat.device, "logical_rows"))

@@ -67,11 +67,13 @@ def packed_gpt_spec(num_experts: int | None = None) -> Any:
     return spec
 
 
-def _cp_spec(layout: str) -> Any:
+def _cp_spec(layout: str, num_experts: int | None = None) -> Any:
     # lazy: optional dependency megatron-core (through this module)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     from megatron_rl_patches.testing.cp_attention import cp_layer_spec
 
-    return cp_layer_spec(layout)
+    return cp_layer_spec(layout, get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False))
 
 
 def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: int = 0, config: Any = None,
@@ -88,9 +90,7 @@ def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: i
 
     torch.manual_seed(seed)
     experts = getattr(config, "num_moe_experts", None)
-    if experts and context_parallel_layout is not None:
-        raise ValueError("build_packed_gpt: an MoE config with context_parallel_layout is not served by the kit")
-    spec = packed_gpt_spec(experts) if context_parallel_layout is None else _cp_spec(context_parallel_layout)
+    spec = packed_gpt_spec(experts) if context_parallel_layout is None else _cp_spec(context_parallel_layout, experts)
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(**config_overrides),
         transformer_layer_spec=spec,

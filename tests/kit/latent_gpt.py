@@ -41,8 +41,10 @@ def tiny_mla_config(rope_type: str = "yarn", dtype: torch.dtype = torch.float32,
     return MLATransformerConfig(**values)
 
 
-def build_mla_gpt(config: Any, seq_length: int = 512, seed: int = 3, **model_kwargs: Any) -> Any:
-    """A real GPTModel of `config` (an MLA config) with the packed-input core attention stand-in."""
+def build_mla_gpt(config: Any, seq_length: int = 512, seed: int = 3, context_parallel_layout: str | None = None,
+                  **model_kwargs: Any) -> Any:
+    """A real GPTModel of `config` (an MLA config) with the packed-input core attention stand-in (the
+    kit's CPU context-parallel core in `context_parallel_layout` where given)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -54,6 +56,10 @@ def build_mla_gpt(config: Any, seq_length: int = 512, seed: int = 3, **model_kwa
     spec = get_gpt_layer_local_spec(num_experts=getattr(config, "num_moe_experts", None), moe_grouped_gemm=False,
                                     multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
+    if context_parallel_layout is not None:
+        from megatron_rl_patches.testing.cp_attention import cp_layer_spec
+
+        spec = cp_layer_spec(context_parallel_layout, spec)
     if getattr(config, "mtp_num_layers", None):  # DeepSeek-V3's MTP: the block mirrors the MLA layer
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 

@@ -1,9 +1,15 @@
-"""A shared-prefix plan at CP = 2 x TP = 2 with sequence parallelism, on real megatron-core over 4
-gloo ranks (one world for the module): each CP rank builds the plan of the whole micro-batch and
-passes its zigzag or contiguous share of the ids; log-probs, entropy, the objective and every
-gradient (summed over the CP ranks, the norms' over the TP ranks) equal the same samples packed
-whole at CP = 1 x TP = 2 with the same weights. Context parallelism beside pipeline parallelism,
-not yet planned, is refused by name on all four ranks alike before anything runs."""
+"""A shared-prefix plan at context parallelism beside the other layouts and model features, on real
+megatron-core over 4 gloo ranks (one world for the module; megatron's parallel state made again for
+each layout): each CP rank builds the plan of the whole micro-batch and passes its zigzag or
+contiguous share of the ids; log-probs, entropy, the objective and every gradient (summed over the
+CP ranks, the norms' over the TP ranks) equal the same samples packed whole at CP = 1 with the same
+weights, at CP = 2 x TP = 2 with sequence parallelism; an MoE model at CP = 2 x EP = 2 (expert bias
+at update rate 0, as slime's MoE scripts run it; and with an aux loss, z-loss and expert-bias
+updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the token counts over
+the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
+table read at each physical row's position on each rank's share, values narrower than queries and
+keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule. MTP beside context
+parallelism is refused by name on all four ranks alike before anything runs."""
 from __future__ import annotations
 
 import pytest
@@ -14,18 +20,16 @@ from megatron_rl_patches.testing.multirank import run_multirank
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 
-def _pipeline_refusal() -> str | None:
-    from megatron_rl_patches.shared_prefix import check_shared_prefix
-    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
-    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
-    from megatron_rl_patches.testing.pipeline import stage_flags, tiny_pipeline_config
+def _mtp_refusal() -> str | None:
+    from kit.mtp_gpt import build_mtp_gpt
 
-    with megatron_on_cpu(pipeline_parallel=2, context_parallel=2):
-        pre, post = stage_flags()
-        config = tiny_pipeline_config(2, num_layers=2, variable_seq_lengths=True, context_parallel_size=2,
-                                      moe_token_dispatcher_type="alltoall")  # megatron-core refuses allgather here
-        model = build_packed_gpt(seq_length=512, seed=6, config=config, pre_process=pre, post_process=post,
-                                 context_parallel_layout="zigzag")
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
+
+    with megatron_on_cpu(context_parallel=2):
+        model = build_mtp_gpt(tiny_gpt_config(context_parallel_size=2, mtp_num_layers=1),
+                              layer_spec=cp_layer_spec("zigzag"))
         try:
             check_shared_prefix([model], training=True)
         except ValueError as exc:
@@ -33,11 +37,63 @@ def _pipeline_refusal() -> str | None:
     return None
 
 
+def _moe_batches():
+    from kit.moe_statistics import constant_padding
+
+    return [constant_padding(((60, (4, 8, 12, 4)),), (8,), padding=4),  # every sequence a multiple of 2 * CP
+            constant_padding(((33, (3, 7)), (21, (3, 7, 11))), (), padding=8, seed=1)]
+
+
+def _moe(statistics: bool, runs, sequence_parallel: bool = False) -> dict:
+    from kit.context_parallel_prefix import beside_exactness, context_parallel_served
+    from kit.moe_statistics import STATISTICS
+
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    if not context_parallel_served():
+        return {}
+    acting = {**STATISTICS["aux-loss"], **STATISTICS["z-loss"], **STATISTICS["expert-bias"]}
+    at_rate_0 = dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+                     moe_router_score_function="sigmoid")
+
+    split = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
+
+    def build(cp: int):
+        config = tiny_moe_config(expert_parallel=2, context_parallel_size=cp, num_query_groups=2,
+                                 **(split if sequence_parallel else {}), **(acting if statistics else at_rate_0))
+        return build_packed_gpt(seq_length=512, seed=9, config=config,
+                                context_parallel_layout="zigzag" if cp > 1 else None)
+
+    parallel = dict(expert_parallel=2, **(dict(tensor_parallel=2, expert_tensor_parallel=1) if sequence_parallel
+                                          else {}))
+    return beside_exactness(build, parallel, _moe_batches(), runs, statistics=statistics)
+
+
+def _latent_attention() -> dict:
+    from kit.context_parallel_prefix import beside_exactness, context_parallel_batches, context_parallel_served
+    from kit.latent_gpt import build_mla_gpt, tiny_mla_config
+
+    if not context_parallel_served():
+        return {}
+
+    def build(cp: int):
+        return build_mla_gpt(tiny_mla_config(context_parallel_size=cp),
+                             context_parallel_layout="zigzag" if cp > 1 else None)
+
+    return beside_exactness(build, {}, context_parallel_batches(), [("zigzag", 2)])
+
+
 def _world(rank: int, world_size: int) -> dict:
-    from kit.context_parallel_prefix import context_parallel_exactness
+    from kit.context_parallel_prefix import context_parallel_exactness, pipeline_exactness
 
     return {"cp2-tp2-sp": context_parallel_exactness(2, True, [("zigzag", 2), ("contiguous", 0)]),
-            "cp2-pp2": _pipeline_refusal()}
+            "cp2-ep2-moe": _moe(False, [("zigzag", 0)]),
+            "cp2-ep2-statistics": _moe(True, [("zigzag", 1)]),
+            "cp2-tp2-sp-ep2-statistics": _moe(True, [("contiguous", 0)], sequence_parallel=True),
+            "cp2-mla": _latent_attention(),
+            "cp2-pp2": pipeline_exactness(),
+            "cp2-mtp": _mtp_refusal()}
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +110,52 @@ def test_context_parallelism_with_tensor_and_sequence_parallelism_equals_the_sam
     assert_exact([rank["cp2-tp2-sp"] for rank in world], layout)
 
 
+@layouts.mark("moe", "ep2", "cp2-zigzag")
+def test_moe_beside_context_parallelism_routes_each_token_as_packed_whole(world):
+    from kit.context_parallel_prefix import assert_exact
+
+    assert_exact([rank["cp2-ep2-moe"] for rank in world], "zigzag")
+
+
+@layouts.mark("moe", "ep2")
+@pytest.mark.parametrize("layout", [
+    pytest.param("cp2-ep2-statistics", marks=layouts.mark("cp2-zigzag")),
+    pytest.param("cp2-tp2-sp-ep2-statistics", marks=layouts.mark("cp2-allgather", "tp2", "sp"))])
+def test_moe_statistics_beside_context_parallelism_count_each_samples_rows_across_the_ranks(world, layout):
+    from kit.context_parallel_prefix import GRAD_TOL, TOL
+
+    if not world[0][layout]:
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
+    for rank in world:
+        (lp, ent, loss, grads, rows, losses, counts, bias), = rank[layout].values()
+        assert rows > 0 and lp < TOL and ent < TOL and loss < TOL and grads < GRAD_TOL, (lp, ent, loss, grads)
+        assert set(losses) == {"load_balancing_loss", "z_loss"} and max(losses.values()) < TOL, losses
+        assert counts == bias == 2, (counts, bias)  # both layers' counts and updated bias
+
+
+@layouts.mark("cp2-zigzag")
+def test_multi_latent_attention_beside_context_parallelism_equals_the_samples_packed_whole(world):
+    from kit.context_parallel_prefix import assert_exact
+
+    assert_exact([rank["cp2-mla"] for rank in world], "zigzag")
+
+
 @layouts.mark("cp2-zigzag", "pp2")
-def test_context_parallelism_beside_pipeline_stages_is_refused_alike_on_every_rank(world):
-    reasons = {rank["cp2-pp2"] for rank in world}
+def test_context_parallelism_beside_pipeline_stages_equals_the_samples_packed_whole(world):
+    from kit.context_parallel_prefix import GRAD_TOL, TOL
+
+    if not world[0]["cp2-pp2"]:
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
+    assert [rank["cp2-pp2"]["last"] for rank in world] == [False, False, True, True]
+    for rank in world:
+        checks = rank["cp2-pp2"]
+        assert checks["micro_batches"] == (2 if checks["last"] else 0) or not checks["last"]
+        assert checks["log_probs"] < TOL and checks["grads"] < GRAD_TOL, checks
+
+
+@layouts.mark("cp2-zigzag", "mtp")
+def test_mtp_beside_context_parallelism_is_refused_alike_on_every_rank(world):
+    reasons = {rank["cp2-mtp"] for rank in world}
     assert len(reasons) == 1
     (reason,) = reasons
-    assert reason is not None and "context parallelism beside" in reason and "context_parallel_size=2" in reason
+    assert reason is not None and "context parallelism beside MTP" in reason and "context_parallel_size=2" in reason

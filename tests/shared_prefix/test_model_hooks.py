@@ -157,8 +157,9 @@ def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe
 
 
 REFUSALS = {
-    "cp2-pp2": (dict(context_parallel_size=2, pipeline_model_parallel_size=2, variable_seq_lengths=True), False,
-                "context parallelism beside"),
+    "cp2-mtp": (dict(context_parallel_size=2, mtp_num_layers=1), False, "context parallelism beside MTP"),
+    "moe-sinkhorn-cp": (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn", context_parallel_size=2),
+                        True, "Sinkhorn's under sequence parallelism or context parallelism"),
     "mla-interleaved": (dict(multi_latent_attention=True, rotary_interleaved=True), False, "multi-latent attention"),
     "mtp-depth-3": (dict(mtp_num_layers=3), False, "multi-token prediction"),
     "pp2-fixed-lengths": (dict(pipeline_model_parallel_size=2), False, "variable_seq_lengths"),

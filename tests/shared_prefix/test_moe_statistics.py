@@ -77,12 +77,12 @@ def test_the_plan_never_outlives_the_layer_call(megatron_cpu, moe_router_on_cpu)
     batch = constant_padding(((30, (5, 3)),), (), padding=0)
     model = _model(**STATISTICS["z-loss"])
     statistics_pass(model, batch, planned)
-    assert moe_statistics.LAYER_PLAN.get() is None
+    assert moe_statistics.LAYER_PARAMS.get() is None
     layer = model.decoder.layers[0]
     layer.mlp.router.gating = None  # the call raises inside the layer: the context is cleared all the same
     with pytest.raises(TypeError):
         planned(model, batch)
-    assert moe_statistics.LAYER_PLAN.get() is None
+    assert moe_statistics.LAYER_PARAMS.get() is None
 
 
 def test_a_module_recomputed_alone_is_refused_by_name(megatron_cpu, moe_router_on_cpu):

@@ -25,7 +25,7 @@ RECOMPUTED_MOE = {**MOE, "recompute_granularity": "selective", "recompute_module
 
 # field: (a value other than the default, the config it is set on, training) -> refused by name
 REFUSED = {
-    "context_parallel_size": (2, MOE, False),
+    "context_parallel_size": (2, {"mtp_num_layers": 1}, False),
     "hybrid_context_parallel": (True, {}, False),
     "pipeline_model_parallel_size": (2, {}, False),
     "virtual_pipeline_model_parallel_size": (2, {}, False),
@@ -63,7 +63,9 @@ REFUSED = {
 ALLOWED = {
     "pipeline_model_parallel_size": (2, {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"},
                                      True),  # planned in test_layouts.py
-    "context_parallel_size": (2, {}, True),  # test_layouts.py (CP = 2), test_context_parallel_layouts.py (x TP = 2)
+    # test_layouts.py (CP = 2), test_context_parallel_layouts.py (x TP = 2 + SP; beside MoE, MLA, PP = 2)
+    "context_parallel_size": (2, {**MOE, "multi_latent_attention": True, "pipeline_model_parallel_size": 2,
+                                  "variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}, True),
     "softmax_type": ("learnable", {}, True),  # test_windows_sinks.py
     "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),
