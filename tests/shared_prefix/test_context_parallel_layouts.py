@@ -2,8 +2,9 @@
 gloo ranks (one world for the module): each CP rank builds the plan of the whole micro-batch and
 passes its zigzag or contiguous share of the ids; log-probs, entropy, the objective and every
 gradient (summed over the CP ranks, the norms' over the TP ranks) equal the same samples packed
-whole at CP = 1 x TP = 2 with the same weights. Context parallelism beside pipeline parallelism,
-not yet planned, is refused by name on all four ranks alike before anything runs."""
+whole at CP = 1 x TP = 2 with the same weights; ranks that cut their ids in different layouts are told
+so alike. Context parallelism beside pipeline parallelism, not yet planned, is refused by name on
+all four ranks alike before anything runs."""
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,7 @@ def _pipeline_refusal() -> str | None:
 def _world(rank: int, world_size: int) -> dict:
     from kit.context_parallel_prefix import context_parallel_exactness
 
-    return {"cp2-tp2-sp": context_parallel_exactness(2, True, [("zigzag", 2), ("contiguous", 0)]),
+    return {"cp2-tp2-sp": context_parallel_exactness(2, True, [("zigzag", 2), ("contiguous", 0)], mixed_layouts=True),
             "cp2-pp2": _pipeline_refusal()}
 
 
@@ -60,3 +61,15 @@ def test_context_parallelism_beside_pipeline_stages_is_refused_alike_on_every_ra
     assert len(reasons) == 1
     (reason,) = reasons
     assert reason is not None and "context parallelism beside" in reason and "context_parallel_size=2" in reason
+
+
+@layouts.mark("cp2-zigzag", "cp2-allgather", "tp2", "sp")
+def test_context_parallel_ranks_given_ids_cut_in_different_layouts_are_told_so_alike(world):
+    """CP rank 0 passes its zigzag share, rank 1 its contiguous one (each checked against its own layout):
+    a ValueError on all four ranks before the plan's first collective, never rows read wrong."""
+    if not world[0]["cp2-tp2-sp"]:
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
+    for rank in world:  # each told by its own context-parallel group (two of them beside TP = 2)
+        message = rank["cp2-tp2-sp"].get(("mixed", -1))
+        assert message is not None and "cp_layout differs between the ranks of the context-parallel group" in message
+        assert "zigzag" in message and "contiguous" in message
