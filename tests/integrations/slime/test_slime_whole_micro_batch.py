@@ -120,3 +120,27 @@ def test_a_share_that_is_not_the_cut_is_packed_whole_with_a_warning(caplog, clea
     assert "context-parallel rank 1's ids that are not its zigzag cut of the whole micro-batch" in caplog.text
     assert "no whole micro-batch from the host" in caplog.text
     assert step.figures == {"packed_whole": 2}
+
+
+@pytest.mark.megatron
+def test_the_outcome_is_agreed_over_the_group_and_another_ranks_failure_packs_whole_here(monkeypatch, caplog,
+                                                                                        clean_patch_state):
+    """Each rank's check agreed over the pass's group (the TP x CP ranks; a recording stand-in for
+    the real exchange, over no group): where another rank's share is not its cut, this rank packs
+    whole too; else the plan's fingerprint and cp_layout agreed."""
+    from megatron_rl_patches.integrations.megatron import shared_prefix_pass
+
+    flags, plans, others = [], [], [1]
+    monkeypatch.setattr(shared_prefix_pass, "agreed_min", lambda group, value: flags.append((group, value)) or
+                        min(value, others[0]))
+    monkeypatch.setattr(shared_prefix_pass, "agree", lambda group, what, **kwargs: plans.append((group, kwargs)))
+    group, batch = object(), _slime_batch(_samples(), 2, 0, True)
+    step = PrefixPass("a pass", pad_to=4, group=group, vocab=64, cut=ContextCut(2, 0, "contiguous"))
+    given = batch["packed_seq_params"]
+    assert step.params(batch["tokens"], given, 4, whole_micro_batch(batch)) is not given
+    assert flags == [(group, 1)] and plans[0][0] is group and plans[0][1]["match"]["cp_layout"] == "contiguous"
+    others[0] = 0  # another rank of the group failed its check
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert step.params(batch["tokens"], given, 4, whole_micro_batch(batch)) is given
+    assert flags[-1] == (group, 1) and len(plans) == 1 and step.figures["packed_whole"] == 1
+    assert "another context-parallel or tensor-parallel rank's share" in caplog.text
