@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches.ops.agreement import agree
 from megatron_rl_patches.ops.context_rows import local_rows, sequence_rows
 from megatron_rl_patches.shared_prefix.attention_rule import Block
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
@@ -191,6 +192,11 @@ def group_share(group: Any, plan: SharedPrefixPlan, params: Any) -> tuple[Share,
     if group is None or dist.get_world_size(group) == 1:
         return None
     layout = getattr(params, "cp_layout", "zigzag")
+    # before the plan's first collective on this rank: ranks given ids cut differently would read wrong rows
+    plan.cached(("cp-layout-agreed", layout), lambda: agree(
+        group, "a shared-prefix plan's context-parallel layout (shared_prefix_params' cp_layout)",
+        match={"cp_layout": layout, "physical rows": plan.physical_length, "logical rows": plan.logical_length},
+        where="the context-parallel group"))
     return share_of(plan, dist.get_world_size(group), dist.get_rank(group), layout), group
 
 

@@ -28,12 +28,14 @@ def context_parallel_served() -> bool:
     return not found or (int(found[1]), int(found[2])) >= (0, 16)
 
 
-def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, runs) -> dict:
+def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, runs,
+                               mixed_layouts: bool = False) -> dict:
     """The plan at CP = 2 (x `tensor_parallel`) against the same samples packed whole at CP = 1 (the
     same weights): every CP rank builds the plan of the whole micro-batch and passes its own share of
     the ids, cut in each (layout, batch) of `runs`; per run (log-prob error, entropy error, the
     objective summed over the CP ranks against the whole one, the gradients summed over the CP ranks
-    against the whole ones, this rank's sample rows); empty where megatron-core < 0.16."""
+    against the whole ones, this rank's sample rows); empty where megatron-core < 0.16. `mixed_layouts`:
+    then CP rank 0 passes zigzag ids and rank 1 contiguous ones (key ("mixed", -1): the error said, or None)."""
     import torch
     from megatron.core import parallel_state
 
@@ -99,6 +101,16 @@ def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, ru
             out[(layout, index)] = (relative_error(log_probs, want_lp[rows]), relative_error(entropy, want_ent[rows]),
                                     abs(float(summed) - want_loss) / max(1.0, abs(want_loss)),
                                     grad_error(grads, want_grads), int(rows.numel()))
+        if mixed_layouts:  # each rank its own share of the ids, cut as it says: the ranks disagree
+            batch, cp_rank = batches[0], parallel_state.get_context_parallel_rank()
+            layout = ("zigzag", "contiguous")[cp_rank]
+            mine = local_rows(layout, cp_rank, 2, cu_seqlens=batch.cu_seqlens)
+            try:
+                model(batch.tokens[:, mine], None, None, packed_seq_params=shared_prefix_params(
+                    batch.plan(pad_to=4 * tensor_parallel), cp_layout=layout))
+                out[("mixed", -1)] = None
+            except ValueError as exc:
+                out[("mixed", -1)] = str(exc)
     return out
 
 

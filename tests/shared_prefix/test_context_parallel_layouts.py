@@ -9,7 +9,8 @@ updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the
 the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
 table read at each physical row's position on each rank's share, values narrower than queries and
 keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule. MTP beside context
-parallelism is refused by name on all four ranks alike before anything runs."""
+parallelism is refused by name on all four ranks alike before anything runs, and so are ranks that
+cut their ids in different layouts."""
 from __future__ import annotations
 
 import pytest
@@ -87,7 +88,8 @@ def _latent_attention() -> dict:
 def _world(rank: int, world_size: int) -> dict:
     from kit.context_parallel_prefix import context_parallel_exactness, pipeline_exactness
 
-    return {"cp2-tp2-sp": context_parallel_exactness(2, True, [("zigzag", 2), ("contiguous", 0)]),
+    return {"cp2-tp2-sp": context_parallel_exactness(2, True, [("zigzag", 2), ("contiguous", 0)],
+                                                           mixed_layouts=True),
             "cp2-ep2-moe": _moe(False, [("zigzag", 0)]),
             "cp2-ep2-statistics": _moe(True, [("zigzag", 1)]),
             "cp2-tp2-sp-ep2-statistics": _moe(True, [("contiguous", 0)], sequence_parallel=True),
@@ -159,3 +161,16 @@ def test_mtp_beside_context_parallelism_is_refused_alike_on_every_rank(world):
     assert len(reasons) == 1
     (reason,) = reasons
     assert reason is not None and "context parallelism beside MTP" in reason and "context_parallel_size=2" in reason
+
+
+
+@layouts.mark("cp2-zigzag", "cp2-allgather", "tp2", "sp")
+def test_context_parallel_ranks_given_ids_cut_in_different_layouts_are_told_so_alike(world):
+    """CP rank 0 passes its zigzag share, rank 1 its contiguous one (each checked against its own layout):
+    a ValueError on all four ranks before the plan's first collective, never rows read wrong."""
+    if not world[0]["cp2-tp2-sp"]:
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
+    for rank in world:  # each told by its own context-parallel group (two of them beside TP = 2)
+        message = rank["cp2-tp2-sp"].get(("mixed", -1))
+        assert message is not None and "cp_layout differs between the ranks of the context-parallel group" in message
+        assert "zigzag" in message and "contiguous" in message

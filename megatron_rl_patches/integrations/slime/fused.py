@@ -35,6 +35,7 @@ from megatron_rl_patches.integrations.slime.fused_step import (
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
+from megatron_rl_patches.integrations.slime.whole_micro_batch import whole_micro_batch
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.model.chunks import is_last_stage
@@ -149,8 +150,9 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     if isinstance(batch, dict):
         batch[FUSED_STEP] = step
         if step.prefix is not None:  # the model call takes the shared-prefix plan from the batch's packed_seq_params
+            whole = whole_micro_batch(batch) if step.prefix.cut is not None else None  # context parallelism
             batch["packed_seq_params"] = step.prefix.params(batch["tokens"], batch["packed_seq_params"],
-                                                            len(batch["unconcat_tokens"]))
+                                                            len(batch["unconcat_tokens"]), whole)
     return batch
 
 

@@ -78,8 +78,11 @@ def slime_settings(args: Any) -> OpdSettings | None:
 
 def slime_prefix_pass(args: Any, model: Any, what: str, training: bool) -> PrefixPass | None:
     """The shared-prefix packing of slime's pass `what` over `model` (None: each sample whole), its
-    switch MEGATRON_RL_PATCHES_SHARED_PREFIX read once per slime `args` as `slime_settings` is."""
-    return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix)
+    switch MEGATRON_RL_PATCHES_SHARED_PREFIX read once per slime `args` as `slime_settings` is. slime's
+    `get_batch` keeps every sample whole beside each context-parallel rank's cut (zigzag, or a contiguous
+    slice with --allgather-cp), so its passes plan at context parallelism too (`whole_micro_batch`)."""
+    layout = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
+    return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=layout)
 
 
 @dataclass(frozen=True)

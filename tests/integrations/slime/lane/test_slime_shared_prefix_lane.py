@@ -130,3 +130,51 @@ def test_every_pass_computes_a_groups_prompt_once(slime_cpu, runs):
             assert figures["physical_tokens"] < figures["logical_tokens"], what
             assert figures["groups"] >= 2, what
         assert sum(planned["embedded"]) < sum(plain["embedded"])
+
+
+# Context parallelism (issue 111, item 5): CP = 2 over two ranks, slime's zigzag cut and its --allgather-cp
+# contiguous one (the lane's declared DSA world, slime_ranks.ALLGATHER_CP), the two snapshot teachers; each
+# rank's old and reference log-probs are its own rows, compared rank by rank. The snapshots' peaked logits (the
+# reference's and the teachers', near -20 to -37) meet float32's steps in another order of attention's sums:
+# slime's plain path at CP = 2 is itself 1.3e-6 off the same run at one rank on them, the plan 3.4e-6 at most
+# (measured); the actor's own log-probs, the losses and the weights stay within 1e-6 (1.2e-7, 6e-7, 4e-9)
+SNAPSHOT_TOL = 5e-6
+CONTEXT_LAYOUTS = {"cp2": LINEAR_ADAM, "cp2-allgather": (*LINEAR_ADAM, *layouts.BY_MARKER["cp2-allgather"]
+                                                         .megatron_lm_args)}
+
+
+def _run_context_parallel(flags: tuple, on: bool) -> list[dict]:
+    import slime_kit as kit
+    import slime_ranks
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts(kit.VOCAB)}
+    return run_multirank(slime_ranks.opd_train_actor, 2, 1, 2, 1, None, None, flags, 2, None, 1, None, None, None,
+                         {"TEACHERS": TEACHERS["snapshots"]}, None, extra, timeout=400)
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param("cp2", marks=layouts.mark("cp2-zigzag", "thd"), id="cp2-zigzag"),
+    pytest.param("cp2-allgather", marks=layouts.mark("cp2-allgather", "thd"), id="cp2-allgather")])
+def context_runs(request):
+    if "slime_standins" not in sys.modules:
+        pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
+    return {on: _run_context_parallel(CONTEXT_LAYOUTS[request.param], on) for on in (False, True)}
+
+
+def test_at_context_parallelism_the_setting_changes_no_number_and_each_pass_computes_a_prompt_once(
+        slime_cpu, context_runs):
+    off, on = context_runs[False], context_runs[True]
+    for plain, planned in zip(off, on):  # rank by rank: each its own rows
+        for field in ("losses", "old_log_probs", "ref_log_probs", "updated", "ids", "teacher_logprobs"):
+            tol = SNAPSHOT_TOL if field in ("teacher_logprobs", "ref_log_probs") else TOL
+            assert _close(planned[field], plain[field], tol), f"{field}: {_worst(planned[field], plain[field])}"
+        assert plain["old_log_probs"] is not None and plain["ref_log_probs"] is not None
+        assert plain["prefix_passes"] == [] and len(planned["prefix_passes"]) >= 4
+        named = {what for what, _ in planned["prefix_passes"]}
+        assert named >= {"slime's log-prob pass", "a teacher's pass", "slime's training step"}
+        for what, figures in planned["prefix_passes"]:
+            assert "packed_whole" not in figures, what  # every micro-batch rebuilt whole and planned
+            assert figures["physical_tokens"] < figures["logical_tokens"] and figures["groups"] >= 2, what
+        assert sum(planned["embedded"]) < sum(plain["embedded"])
