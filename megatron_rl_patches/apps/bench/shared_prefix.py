@@ -26,6 +26,7 @@ from typing import Any
 from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
 from megatron_rl_patches.apps.bench.progress import CaseLines
+from megatron_rl_patches.apps.bench.shared_prefix_peer import peer_of, peer_rows
 
 FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 3,
                         "cases": ((1024, 128, 8), (256, 1024, 8))}
@@ -170,6 +171,7 @@ def measure(plan: dict) -> list[dict]:
     try:
         with megatron_world("cpu"):
             model = prepare_shared_prefix(build_model(plan))
+            peer = peer_of(plan)  # PrefixGrouper beside ours where it is importable
             every = list(cases_of(plan, plan.get("shape", "grpo")))
             cases = CaseLines(len(every))
             for case, batch, routes in every:
@@ -206,7 +208,9 @@ def measure(plan: dict) -> list[dict]:
                         "max_abs_diff": float((log_probs[route] - log_probs[UNSHARED]).abs().max()),
                     })
                 unshared = next(row for row in rows if row["case"] == case and row["packing"] == UNSHARED)
-                cases.ended(f"{case}: the training step {rows[-1]['train_vs_unshared']:.2f}x the unshared one's "
+                ours = rows[-1]["train_vs_unshared"]
+                rows += peer_rows(peer, case, batch)
+                cases.ended(f"{case}: the training step {ours:.2f}x the unshared one's "
                             f"CPU time, {rows[-1]['tokens']} tokens for {unshared['tokens']}")
     finally:
         megatron_rl_patches.revert()
