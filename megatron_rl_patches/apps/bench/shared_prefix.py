@@ -208,10 +208,10 @@ def measure(plan: dict) -> list[dict]:
                         "max_abs_diff": float((log_probs[route] - log_probs[UNSHARED]).abs().max()),
                     })
                 unshared = next(row for row in rows if row["case"] == case and row["packing"] == UNSHARED)
-                ours = rows[-1]["train_vs_unshared"]
+                ours = rows[-1]
                 rows += peer_rows(peer, case, batch)
-                cases.ended(f"{case}: the training step {ours:.2f}x the unshared one's "
-                            f"CPU time, {rows[-1]['tokens']} tokens for {unshared['tokens']}")
+                cases.ended(f"{case}: the training step {ours['train_vs_unshared']:.2f}x the unshared one's "
+                            f"CPU time, {ours['tokens']} tokens for {unshared['tokens']}")
     finally:
         megatron_rl_patches.revert()
         torch.set_num_threads(threads)
