@@ -42,6 +42,7 @@ def test_the_grouped_layout_keeps_each_scored_row_and_position():
     assert next(read, None) is None
 
 
+@pytest.mark.slow  # transformers' import and two tiny models' steps (where the bench lane's package is importable)
 @pytest.mark.parametrize("per_turn", [False, True], ids=["grpo-group", "suffixes-of-several-lengths"])
 def test_the_peer_rows_run_where_prefix_grouper_is_importable(per_turn):
     pytest.importorskip("prefix_grouper", reason="the bench lane's package (make bench) is not installed here")
