@@ -14,7 +14,9 @@ alternate the two rows after a warm-up round, one torch thread: the process's CP
 which other jobs on a shared machine move far less) and the wall time (`_ms`); the bytes autograd
 keeps for backward (`activations_MiB`, the activations kept: exact, counted per storage); the ratios to
 `unshared` of the same case and round (CPU time); the largest |difference| of the log-probs from
-`unshared`'s. A line on stderr as each case ends (a full-size case takes minutes)."""
+`unshared`'s. A line on stderr as each case ends (a full-size case takes minutes). Beside them, where
+`prefix_grouper` is importable, the peer's rows (`shared_prefix_peer`: PrefixGrouper on transformers'
+Qwen3 of the same shape, against its own unshared baseline); one "not installed" row per case otherwise."""
 # lazy imports: import cost: torch and megatron-core load when a benchmark runs
 from __future__ import annotations
 
