@@ -80,7 +80,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv vllm-lane demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime mutate clean
+.PHONY: venv vllm-lane demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-shared-prefix bench-gpu bench-slime mutate clean
 
 venv: $(STAMP)
 
@@ -326,8 +326,24 @@ bench-gpu:
 	@$(CUDA_CHECK)
 	$(GPU_ENV) $(GPU_PYTHON) -m megatron_rl_patches bench gpu --out bench-gpu-out
 
-bench: $(STAMP)
-	$(VENV)/bin/megatron-rl-patches bench --out bench-out
+# `bench shared-prefix`'s peer (PrefixGrouper beside the package's shared prefix, docs/benchmarks.md):
+# prefix-grouper installed --no-deps into .lanes/bench-peer (tools/bench-peer-lane.txt), on the bench's
+# path only; the venv stays as it is (without it the peer's row says "not installed").
+BENCH_PEER_LANE = .lanes/bench-peer
+BENCH_PEER_STAMP = $(BENCH_PEER_LANE)/.installed
+$(BENCH_PEER_STAMP): tools/bench-peer-lane.txt
+	rm -rf $(BENCH_PEER_LANE)
+	$(VENV)/bin/pip install -q --no-deps --target $(BENCH_PEER_LANE) -r tools/bench-peer-lane.txt
+	touch $(BENCH_PEER_STAMP)
+
+bench: $(STAMP) $(BENCH_PEER_STAMP)
+	PYTHONPATH=$(abspath $(BENCH_PEER_LANE)) $(VENV)/bin/megatron-rl-patches bench --out bench-out
+
+# the shared-prefix tables alone (both shapes), the peer beside them
+bench-shared-prefix: $(STAMP) $(BENCH_PEER_STAMP)
+	PYTHONPATH=$(abspath $(BENCH_PEER_LANE)) $(VENV)/bin/megatron-rl-patches bench shared-prefix --out bench-out
+	PYTHONPATH=$(abspath $(BENCH_PEER_LANE)) $(VENV)/bin/megatron-rl-patches bench shared-prefix --shape multi-turn \
+	  --out bench-out
 
 clean:
 	rm -rf $(VENV) $(VENV_OLD) $(VENV_NEW) .lanes build dist *.egg-info

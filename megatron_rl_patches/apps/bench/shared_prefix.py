@@ -14,7 +14,9 @@ alternate the two rows after a warm-up round, one torch thread: the process's CP
 which other jobs on a shared machine move far less) and the wall time (`_ms`); the bytes autograd
 keeps for backward (`activations_MiB`, the activations kept: exact, counted per storage); the ratios to
 `unshared` of the same case and round (CPU time); the largest |difference| of the log-probs from
-`unshared`'s. A line on stderr as each case ends (a full-size case takes minutes)."""
+`unshared`'s. A line on stderr as each case ends (a full-size case takes minutes). Beside them, where
+`prefix_grouper` is importable, the peer's rows (`shared_prefix_peer`: PrefixGrouper on transformers'
+Qwen3 of the same shape, against its own unshared baseline); one "not installed" row per case otherwise."""
 # lazy imports: import cost: torch and megatron-core load when a benchmark runs
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any
 from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
 from megatron_rl_patches.apps.bench.progress import CaseLines
+from megatron_rl_patches.apps.bench.shared_prefix_peer import peer_of, peer_rows
 
 FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 3,
                         "cases": ((1024, 128, 8), (256, 1024, 8))}
@@ -172,6 +175,7 @@ def measure(plan: dict) -> list[dict]:
     try:
         with megatron_world("cpu"):
             model = prepare_shared_prefix(build_model(plan))
+            peer = peer_of(plan)  # PrefixGrouper beside ours where it is importable
             every = list(cases_of(plan, plan.get("shape", "grpo")))
             cases = CaseLines(len(every))
             for case, batch, routes in every:
@@ -208,8 +212,10 @@ def measure(plan: dict) -> list[dict]:
                         "max_abs_diff": float((log_probs[route] - log_probs[UNSHARED]).abs().max()),
                     })
                 unshared = next(row for row in rows if row["case"] == case and row["packing"] == UNSHARED)
-                cases.ended(f"{case}: the training step {rows[-1]['train_vs_unshared']:.2f}x the unshared one's "
-                            f"CPU time, {rows[-1]['tokens']} tokens for {unshared['tokens']}")
+                ours = rows[-1]
+                rows += peer_rows(peer, case, batch)
+                cases.ended(f"{case}: the training step {ours['train_vs_unshared']:.2f}x the unshared one's "
+                            f"CPU time, {ours['tokens']} tokens for {unshared['tokens']}")
     finally:
         megatron_rl_patches.revert()
         torch.set_num_threads(threads)

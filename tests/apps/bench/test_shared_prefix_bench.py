@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow  # a GPTModel world: the main lane only
 def test_quick_shared_prefix_bench_measures_both_routes(tmp_path, capsys):
     pytest.importorskip("megatron.core")
     from megatron_rl_patches.apps.bench.shared_prefix import QUICK, SHARED, UNSHARED
+    from megatron_rl_patches.apps.bench.shared_prefix_peer import NOT_INSTALLED, PEER, PEER_UNSHARED, peer_installed
     from megatron_rl_patches.apps.cli import main
 
     assert main(["bench", "shared-prefix", "--quick", "--out", str(tmp_path)]) == 0
@@ -27,7 +28,12 @@ def test_quick_shared_prefix_bench_measures_both_routes(tmp_path, capsys):
         said = (rf"  case {i}/2 done \(\d+\.\d s\): P={p}, R={r}, G={g}: the training step \d+\.\d\dx the "
                 rf"unshared one's CPU time, {p + g * r} tokens for {g * (p + r)}")
         assert re.fullmatch(said, line), line
-    rows = list(csv.DictReader(open(tmp_path / "shared_prefix.csv", newline="")))
+    every = list(csv.DictReader(open(tmp_path / "shared_prefix.csv", newline="")))
+    rows = [row for row in every if row["packing"] in (UNSHARED, SHARED)]
+    peer = [row for row in every if row not in rows]
+    assert [row["packing"] for row in peer] == ([PEER_UNSHARED, PEER] if peer_installed() else [PEER]) * 2
+    if not peer_installed():  # the peer's row says so, the bench goes on
+        assert {row["note"] for row in peer} == {NOT_INSTALLED}
     assert [(row["case"], row["packing"]) for row in rows] == [
         (f"P={p}, R={r}, G={g}", route) for p, r, g in QUICK["cases"] for route in (UNSHARED, SHARED)]
     for (prompt, response, group), (plain, shared) in zip(QUICK["cases"], zip(rows[::2], rows[1::2])):
@@ -76,11 +82,14 @@ def test_a_failed_measurement_is_one_row_saying_why_and_no_plot(tmp_path, monkey
 def test_the_multi_turn_shape_measures_the_tree_against_the_one_level_plan(tmp_path):
     pytest.importorskip("megatron.core")
     from megatron_rl_patches.apps.bench.shared_prefix import MULTI_TURN_QUICK, ONE_LEVEL, SHARED, UNSHARED
+    from megatron_rl_patches.apps.bench.shared_prefix_peer import peer_installed
     from megatron_rl_patches.apps.cli import main
 
     assert main(["bench", "shared-prefix", "--quick", "--shape", "multi-turn", "--out", str(tmp_path)]) == 0
-    rows = list(csv.DictReader(open(tmp_path / "shared_prefix_multi_turn.csv", newline="")))
+    every = list(csv.DictReader(open(tmp_path / "shared_prefix_multi_turn.csv", newline="")))
+    rows = [row for row in every if row["packing"] in (UNSHARED, ONE_LEVEL, SHARED)]
     assert [row["packing"] for row in rows] == [UNSHARED, ONE_LEVEL, SHARED] * 2
+    assert len(every) == len(rows) + (4 if peer_installed() else 2)  # the peer's rows, or its "not installed"
     system, user, answer = (MULTI_TURN_QUICK[key] for key in ("system", "user", "assistant"))
     turn = user + answer
     branching, per_turn = rows[:3], rows[3:]
