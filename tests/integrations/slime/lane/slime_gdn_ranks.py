@@ -164,6 +164,9 @@ def planned_and_packed(rank: int, world_size: int, root: str, sequence_parallel:
                 hook.remove()
                 results[route] = {"log_probs": log_probs.detach(), "entropy": entropy.detach(),
                                   "grads": collect_grads(model), "embedded": embedded}
+            # sequence parallelism: these parameters' gradients are each rank's share of their rows
+            results["split_rows"] = sorted(name for name, p in model.named_parameters()
+                                           if getattr(p, "sequence_parallel", False))
             config.context_parallel_size = 2  # what a plan says of the same layers at CP = 2
             try:
                 check_shared_prefix(model, training=True)
@@ -172,3 +175,50 @@ def planned_and_packed(rank: int, world_size: int, root: str, sequence_parallel:
                 results["cp2"] = str(exc)
             out[kind] = results
         return out
+
+
+PROMPTS = (24, 28)  # two GRPO groups of four
+RESPONSES = ((5, 9, 3, 7), (6, 4, 8, 2))
+MICRO_BATCHES = (((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 1, 2), (3, 4, 5, 6, 7)))  # the second splits a group
+
+
+def grpo_rollouts() -> list[dict]:
+    """Two rollouts of two groups of four samples sharing their group's prompt (slime's per-sample
+    fields; one masked response token per sample)."""
+    rollouts = []
+    for seed, micro_batches in enumerate(MICRO_BATCHES):
+        gen = torch.Generator().manual_seed(50 + seed)
+        tokens, totals, lengths, masks, advantages = [], [], [], [], []
+        for prompt_length, responses in zip(PROMPTS, RESPONSES):
+            prompt = torch.randint(0, VOCAB, (prompt_length,), generator=gen)
+            for response in responses:
+                tokens.append(torch.cat([prompt, torch.randint(0, VOCAB, (response,), generator=gen)]))
+                totals.append(prompt_length + response)
+                lengths.append(response)
+                mask = torch.ones(response, dtype=torch.int)
+                mask[response // 2] = 0
+                masks.append(mask)
+                advantages.append(torch.randn(response, generator=gen))
+        rollouts.append({"tokens": tokens, "total_lengths": totals, "response_lengths": lengths, "loss_masks": masks,
+                         "advantages": advantages, "micro_batch_indices": [list(m) for m in micro_batches]})
+    return rollouts
+
+
+def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: bool,
+                       flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """slime's real `train_actor` (slime_ranks.opd_train_actor: a reference pass, two snapshot OPD
+    teachers, the old log-prob pass and train() over two rollouts) on the tiny hybrid of `kind` from
+    slime's spec, MEGATRON_RL_PATCHES_SHARED_PREFIX=1 when `on`."""
+    for path in (HERE, TESTS):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import slime_fla_cpu
+    import slime_kit
+    import slime_ranks
+    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401  (before fla's stand-in)
+
+    slime_fla_cpu.install()
+    slime_kit.provider_func = hybrid_provider(kind, write_hf_config(root, kind))
+    extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts()}
+    return slime_ranks.opd_train_actor(rank, world_size, 1, tensor=world_size, rollouts=2, extra=extra,
+                                       flags=("--num-layers", str(LAYERS), *flags))

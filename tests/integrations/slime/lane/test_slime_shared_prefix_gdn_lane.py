@@ -41,16 +41,25 @@ def layer_runs(request, tmp_path_factory):
     return run_multirank(slime_gdn_ranks.planned_and_packed, request.param, root, request.param > 1, timeout=400)
 
 
+def _gradients(ranks: list[dict], kind: str, route: str) -> list[dict[str, torch.Tensor]]:
+    """Each rank's gradients, those of a parameter over sequence-parallel rows summed over the ranks
+    (each rank holds its share of the rows; the plan's shares are other rows than the packed path's)."""
+    split = ranks[0][kind]["split_rows"]
+    summed = {name: sum(rank[kind][route]["grads"][name] for rank in ranks) for name in split}
+    return [{**rank[kind][route]["grads"], **summed} for rank in ranks]
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_slimes_gated_delta_net_planned_equals_packed_whole(slime_cpu, layer_runs, kind):
-    for rank in layer_runs:
+    for rank, packed_grads, planned_grads in zip(layer_runs, _gradients(layer_runs, kind, "packed"),
+                                                 _gradients(layer_runs, kind, "planned")):
         packed, planned = rank[kind]["packed"], rank[kind]["planned"]
         for field in ("log_probs", "entropy"):
             assert _relative(planned[field], packed[field]) <= TOL, field
-        assert packed["grads"].keys() == planned["grads"].keys()
-        assert any("linear_attn.conv1d" in name for name in packed["grads"])
-        for name, want in packed["grads"].items():
-            assert _relative(planned["grads"][name], want) <= GRAD_TOL, name
+        assert packed_grads.keys() == planned_grads.keys()
+        assert any("linear_attn.conv1d" in name for name in packed_grads)
+        for name, want in packed_grads.items():
+            assert _relative(planned_grads[name], want) <= GRAD_TOL, name
             assert float(want.abs().max()) > 0, name  # every parameter reached
         assert sum(planned["embedded"]) < sum(packed["embedded"])
 
@@ -61,3 +70,53 @@ def test_slimes_gated_delta_net_at_context_parallelism_is_refused_by_name(slime_
             reason = rank[kind]["cp2"]
             assert reason is not None and "slime's gated delta net layer" in reason
             assert "context_parallel_size=2" in reason
+
+
+LINEAR_ADAM = ("--adam-eps", "1.0")  # an update about lr · gradient (as test_slime_shared_prefix_lane.py)
+
+
+@pytest.fixture(scope="module")
+def actor_runs(tmp_path_factory):
+    _slime_plugins()
+    import slime_gdn_ranks
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    root = str(tmp_path_factory.mktemp("hf"))
+    return {on: run_multirank(slime_gdn_ranks.hybrid_train_actor, 1, root, "qwen3_5", on, LINEAR_ADAM, timeout=600)
+            for on in (False, True)}
+
+
+def _close(got, want, tol: float = TOL) -> bool:
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(_close(g, w, tol) for g, w in zip(got, want))
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(_close(got[k], want[k], tol) for k in want)
+    if isinstance(want, torch.Tensor):
+        if want.dtype in (torch.int64, torch.int32, torch.bool):
+            return torch.equal(got, want)
+        return got.shape == want.shape and (got.numel() == 0 or _relative(got, want) <= tol)
+    if isinstance(want, float):
+        return abs(got - want) <= tol * max(1.0, abs(want))
+    return got == want
+
+
+def _worst(got, want) -> float:
+    """The largest difference relative to its scale (for the assertion's message)."""
+    if isinstance(want, dict):
+        return max([_worst(got[k], want[k]) for k in want] or [0.0])
+    if isinstance(want, (list, tuple)):
+        return max([_worst(g, w) for g, w in zip(got, want)] or [0.0])
+    if isinstance(want, torch.Tensor) and want.is_floating_point() and want.numel():
+        return _relative(got, want)
+    return 0.0 if got == want or isinstance(want, torch.Tensor) else float("inf")
+
+
+def test_train_actor_on_slimes_qwen3_5_hybrid_equals_the_setting_off(slime_cpu, actor_runs):
+    off, on = actor_runs[False], actor_runs[True]
+    for plain, planned in zip(off, on):
+        for field in ("losses", "old_log_probs", "ref_log_probs", "ids", "teacher_logprobs"):
+            assert _close(planned[field], plain[field]), f"{field}: {_worst(planned[field], plain[field])}"
+        assert _close(planned["updated"], plain["updated"]), "weights after the last step"
+        assert plain["prefix_passes"] == [] and len(planned["prefix_passes"]) >= 4
+        assert sum(planned["embedded"]) < sum(plain["embedded"])
