@@ -6,6 +6,12 @@ FusedRMSNormGated and calls fla's chunk_gated_delta_rule, all Triton), so the la
 fla's calling convention: `cu_seqlens` runs each packed sequence on its own, `initial_state` /
 `output_final_state` carry one state per sequence.
 
+The recurrence is transformers' chunked rule (its prefill path) or, with `install("token")`, its
+token-by-token one: the chunked rule forms exp(g_i - g_j) from cumulative sums of the log-decays
+over a 64-row chunk, which in float32 rounds to about 1e-5 of a log-prob under decays as strong as
+the lane's teacher snapshots draw (their A_log moved by 0.5 · N(0, 1)), and the plan's chunks start
+elsewhere than the packed path's; token by token, nothing is formed across rows.
+
 transformers resolves those functions to fla's when fla is importable at its import, so its module
 is imported first (`install` does), then the stand-in registered."""
 from __future__ import annotations
@@ -25,11 +31,14 @@ def _sequences(cu_seqlens: Any, rows: int) -> list[tuple[int, int]]:
     return list(zip(edges, edges[1:]))
 
 
-def install() -> None:
-    """Register the stand-in `fla` (idempotent; a real fla already imported is left alone)."""
+def install(recurrence: str = "chunk") -> None:
+    """Register the stand-in `fla` (idempotent; a real fla already imported is left alone);
+    `recurrence`: "chunk" or "token", transformers' torch rule its chunk_gated_delta_rule runs."""
     if "fla" in sys.modules:
         return
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    rule = {"chunk": hf.torch_chunk_gated_delta_rule, "token": hf.torch_recurrent_gated_delta_rule}[recurrence]
 
     class ShortConvolution(torch.nn.Conv1d):
         """fla's depthwise causal convolution ([b, t, d] in and out, then its activation)."""
@@ -69,13 +78,13 @@ def install() -> None:
         if scale is not None:
             raise NotImplementedError("the lane's chunk_gated_delta_rule scales queries by dk^-1/2 only")
         if cu_seqlens is None:
-            return hf.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
+            return rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                                    output_final_state=output_final_state,
                                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         outs, finals = [], []
         for index, (start, end) in enumerate(_sequences(cu_seqlens, q.shape[1])):
             state = None if initial_state is None else initial_state[index:index + 1]
-            out, final = hf.torch_chunk_gated_delta_rule(
+            out, final = rule(
                 q[:, start:end], k[:, start:end], v[:, start:end], g=g[:, start:end], beta=beta[:, start:end],
                 initial_state=state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)

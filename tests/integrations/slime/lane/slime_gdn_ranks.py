@@ -217,7 +217,7 @@ def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: boo
     import slime_ranks
     import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401  (before fla's stand-in)
 
-    slime_fla_cpu.install()
+    slime_fla_cpu.install("token")  # float32-stable under the teacher snapshots' strong decays
     slime_kit.provider_func = hybrid_provider(kind, write_hf_config(root, kind))
     extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts()}
     return slime_ranks.opd_train_actor(rank, world_size, 1, tensor=world_size, rollouts=2, extra=extra,

@@ -7,8 +7,12 @@ alone): the sample rows' log-probs and entropy within 2e-6 and every parameter's
 gradients into the prefix's state in another order, and a token-by-token rule in place of the chunked
 one measures the same 2.4e-5), at one rank and at TP = 2 with sequence parallelism (slime's
 layer is duplicated over the tensor-parallel ranks, the stream gathered around it); fewer tokens
-embedded; at context parallelism refused by name. And slime's real `train_actor` on that hybrid
-with MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against 0: every number of the step equal within 1e-6."""
+embedded; at context parallelism refused by name. And slime's real `train_actor` on the Qwen3.5
+hybrid (a reference pass, two snapshot OPD teachers, the old log-prob pass, train() over two
+rollouts) with MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against 0: the losses, the old and reference
+log-probs, the teachers' log-probs and the weights after the last step within 2e-6 of their scale,
+the ids the same, fewer tokens embedded (its recurrence token by token: the chunked one rounds to 2e-5
+under the snapshots' strong decays, slime_fla_cpu.py)."""
 from __future__ import annotations
 
 import sys
