@@ -7,7 +7,8 @@ alone): the sample rows' log-probs and entropy within 2e-6 and every parameter's
 gradients into the prefix's state in another order, and a token-by-token rule in place of the chunked
 one measures the same 2.4e-5), at one rank and at TP = 2 with sequence parallelism (slime's
 layer is duplicated over the tensor-parallel ranks, the stream gathered around it); fewer tokens
-embedded; at context parallelism refused by name. And slime's real `train_actor` on the Qwen3.5
+embedded; the prepared model's ordinary call unchanged bit for bit; at context parallelism refused
+by name. And slime's real `train_actor` on the Qwen3.5
 hybrid (a reference pass, two snapshot OPD teachers, the old log-prob pass, train() over two
 rollouts) with MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against 0: the losses, the old and reference
 log-probs, the teachers' log-probs and the weights after the last step within 2e-6 of their scale,
@@ -66,6 +67,9 @@ def test_slimes_gated_delta_net_planned_equals_packed_whole(slime_cpu, layer_run
             assert _relative(planned_grads[name], want) <= GRAD_TOL, name
             assert float(want.abs().max()) > 0, name  # every parameter reached
         assert sum(planned["embedded"]) < sum(packed["embedded"])
+        again = rank[kind]["again"]  # a prepared layer's ordinary call: bit for bit as before
+        assert torch.equal(again["log_probs"], packed["log_probs"])
+        assert all(torch.equal(again["grads"][name], want) for name, want in rank[kind]["packed"]["grads"].items())
 
 
 def test_slimes_gated_delta_net_at_context_parallelism_is_refused_by_name(slime_cpu, layer_runs):
