@@ -16,7 +16,11 @@ holds every row of 1/cp of the heads (where cp divides this rank's key heads), r
 on whole sequences for those heads, and exchange back: every rank ends with its own rows of every
 head, and each does 1/cp of the recurrence's work. Where cp does not divide the key heads, each
 rank gathers every row of every head and keeps its own rows of the result (the same values, cp
-times the work). The exchange carries no gradient: the layer serves inference-only models."""
+times the work). The exchange carries no gradient: the layer serves inference-only models.
+
+A shared-prefix plan (`packed_seq_params` holding one, shared_prefix/): each segment of the plan's
+stream continues its parent's recurrent state and convolution window (shared_prefix/gated_delta_net.py,
+the continuation megatron-core's GatedDeltaNet runs too), at one context-parallel rank."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,8 +30,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_rl_patches.inference.gated_delta_rule import causal_depthwise_conv, gated_delta_rule, l2_normalized
+from megatron_rl_patches.inference.gated_delta_rule import (
+    causal_depthwise_conv,
+    chunk_gated_delta_rule,
+    gated_delta_rule,
+    l2_normalized,
+)
 from megatron_rl_patches.ops.context_rows import check_layout, local_rows
+from megatron_rl_patches.shared_prefix.gated_delta_net import (
+    Segment,
+    checked_segments,
+    plan_segments,
+    segment_convolution,
+    segment_recurrence,
+)
+from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -99,7 +116,16 @@ class GatedDeltaNetLayer(torch.nn.Module):
                 **unused: Any) -> tuple[torch.Tensor, Any]:
         projected, _ = self.in_proj(hidden_states)  # sequence parallel: the whole sequence from here
         mixed = projected.transpose(0, 1)  # [b, s, width]
-        if self.cp_size == 1:
+        plan = shared_prefix_plan_of(packed_seq_params)
+        if plan is not None:
+            if self.cp_size > 1:
+                raise ValueError(f"shared prefix: the package's gated delta net runs a plan at one context-parallel "
+                                 f"rank, got {self.cp_size}; run this model without a sharing plan")
+            if mixed.shape[0] != 1:
+                raise ValueError(f"shared prefix: a plan's stream is one batch row, the gated delta net got "
+                                 f"{mixed.shape[0]}")
+            out = self._mix(mixed, segments=checked_segments(plan_segments(plan), mixed.shape[1]))
+        elif self.cp_size == 1:
             out = self._mix_sequences(mixed, packed_seq_params, 0, 1)
         else:
             out = self._mix_context_parallel(mixed, packed_seq_params)
@@ -148,9 +174,11 @@ class GatedDeltaNetLayer(torch.nn.Module):
         return torch.cat([piece.chunk(parts, dim=-1)[part] for piece in torch.split(mixed, self.widths, dim=-1)],
                          dim=-1)
 
-    def _mix(self, mixed: torch.Tensor, part: int = 0, parts: int = 1) -> torch.Tensor:
+    def _mix(self, mixed: torch.Tensor, part: int = 0, parts: int = 1,
+             segments: tuple[Segment, ...] | None = None) -> torch.Tensor:
         """One sequence (or a batch of unpacked ones) [b, s, width] of heads part/parts -> the gated,
-        normed values [b, s, v] of those heads."""
+        normed values [b, s, v] of those heads; `segments`: a plan's stream [1, s, width] of every
+        head, each segment continuing its parent."""
         b, s, _ = mixed.shape
         key_heads, value_heads = self.key_heads // parts, self.value_heads // parts
         widths = [w // parts for w in self.widths]
@@ -159,7 +187,10 @@ class GatedDeltaNetLayer(torch.nn.Module):
         weight = self.conv1d.weight
         if parts > 1:  # the depthwise channels of these heads' q, k and v
             weight = torch.cat([w.chunk(parts)[part] for w in torch.split(weight, self.widths[:3])])
-        qkv = F.silu(causal_depthwise_conv(qkv.to(weight.dtype), weight)).transpose(1, 2)
+        if segments is None:
+            qkv = F.silu(causal_depthwise_conv(qkv.to(weight.dtype), weight)).transpose(1, 2)
+        else:
+            qkv = F.silu(segment_convolution(self.conv1d, qkv[0].t().to(weight.dtype), segments))[None]
         q, k, v = torch.split(qkv.to(mixed.dtype), widths[:3], dim=-1)
         q, k = (x.reshape(b, s, key_heads, self.key_head_dim) for x in (q, k))
         v = v.reshape(b, s, value_heads, self.value_head_dim)
@@ -170,10 +201,16 @@ class GatedDeltaNetLayer(torch.nn.Module):
         fla = _fla_rule() if v.is_cuda else None
         if fla is not None:
             q, k = (x.repeat_interleave(repeat, dim=2) for x in (q, k))
-            core, _ = fla(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            if segments is None:
+                core, _ = fla(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            else:
+                core = segment_recurrence(fla, q, k, v, g, beta, segments, use_qk_l2norm_in_kernel=True)
         else:
             q, k = (l2_normalized(x.float()).repeat_interleave(repeat, dim=2) for x in (q, k))
-            core = gated_delta_rule(q, k, v, g, beta).to(v.dtype)
+            if segments is None:
+                core = gated_delta_rule(q, k, v, g, beta).to(v.dtype)
+            else:
+                core = segment_recurrence(chunk_gated_delta_rule, q, k, v, g, beta, segments).to(v.dtype)
         gated = self.out_norm(core, z.reshape(b, s, value_heads, self.value_head_dim))
         return gated.reshape(b, s, -1)
 

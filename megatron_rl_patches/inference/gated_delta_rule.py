@@ -2,7 +2,9 @@
 its causal depthwise convolution in plain torch, for CPU and wherever flash-linear-attention is
 absent. Per value head, with a state S [dk, dv]: S <- exp(g_t) S, u_t = beta_t (v_t - S^T k_t),
 S <- S + k_t u_t^T, o_t = S^T q_t. Computed a chunk at a time: inside a chunk the updates form a
-unit lower-triangular system, solved once; the state is carried from chunk to chunk."""
+unit lower-triangular system, solved once; the state is carried from chunk to chunk, from a given
+initial state if any, and returned at the end if asked (`chunk_gated_delta_rule`, in
+flash-linear-attention's calling convention: a shared prefix's remainders continue its state)."""
 from __future__ import annotations
 
 import torch
@@ -28,14 +30,26 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """o [b, t, h, dv] of queries / keys [b, t, h, dk] (already normalized), values [b, t, h, dv],
     log-decays g and write strengths beta [b, t, h]; in float32, from a zero state. Queries are
     scaled by dk^-1/2."""
+    return chunk_gated_delta_rule(q, k, v, g, beta, chunk=chunk)[0]
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False, chunk: int = CHUNK,
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gated_delta_rule` from `initial_state` [b, h, dk, dv] (zeros if None), with the final state
+    (float32, differentiable in the initial one) when `output_final_state`; queries and keys
+    normalized first when `use_qk_l2norm_in_kernel` (flash-linear-attention's arguments)."""
     dtype = v.dtype
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalized(q.float()), l2_normalized(k.float())
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))  # [b, h, t, d]
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))  # [b, h, t]
     q = q * dk ** -0.5
     pad = -t % chunk
-    if pad:
+    if pad:  # a padded row: no write (beta 0), no decay (g 0): the final state is the last real row's
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     n = (t + pad) // chunk
@@ -54,10 +68,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     scores = (q @ k.transpose(-1, -2)) * between  # (q_i . k_j) exp(decay_i - decay_j), j <= i
     q_decayed = q * decay.exp().unsqueeze(-1)
     k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
-    state = q.new_zeros(b, h, dk, dv)
-    out = torch.empty_like(v)
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    pieces = []
     for i in range(n):
         u = new_values[:, :, i] - state_reads[:, :, i] @ state
-        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ u
+        pieces.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ u)
         state = state * decay[:, :, i, -1, None, None].exp() + k_to_end[:, :, i].transpose(-1, -2) @ u
-    return out.reshape(b, h, n * chunk, dv)[:, :, :t].transpose(1, 2).to(dtype)
+    out = torch.stack(pieces, dim=2).reshape(b, h, n * chunk, dv)[:, :, :t].transpose(1, 2).to(dtype)
+    return out, (state if output_final_state else None)

@@ -139,7 +139,9 @@ def planned_forward(layer: Any, hidden_states: torch.Tensor, segments: tuple[Seg
 def segment_convolution(conv: torch.nn.Conv1d, qkv: torch.Tensor, segments: tuple[Segment, ...]) -> torch.Tensor:
     """The causal depthwise convolution of each segment [rows, channels] (before the activation),
     each seeing the kernel - 1 rows before it in its own line: its parent's window (and its
-    parent's, for a parent shorter than the window), zeros where the line begins."""
+    parent's, for a parent shorter than the window), zeros where the line begins. `conv`: any
+    depthwise Conv1d (its weight [channels, 1, kernel] and bias; megatron-core's, the package's,
+    flash-linear-attention's ShortConvolution), whatever its own padding and forward."""
     keep = conv.kernel_size[0] - 1
     lines = qkv.t()  # [channels, rows]
     windows: list[torch.Tensor] = []
@@ -148,16 +150,19 @@ def segment_convolution(conv: torch.nn.Conv1d, qkv: torch.Tensor, segments: tupl
         before = lines.new_zeros(lines.shape[0], keep) if segment.parent is None else windows[segment.parent]
         context = torch.cat([before, lines[:, segment.start:segment.end]], dim=1)
         windows.append(context[:, context.shape[1] - keep:])
-        if segment.end > segment.start:
-            # nn.Conv1d pads kernel - 1 on both sides: output keep + j sees context[j : j + keep + 1]
-            pieces[segment.start] = conv(context[None])[0, :, keep:keep + segment.end - segment.start]
+        if segment.end > segment.start:  # output j sees context[j : j + kernel]
+            pieces[segment.start] = F.conv1d(context[None], conv.weight, conv.bias, groups=lines.shape[0])[0]
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=1).t()
 
 
 def segment_recurrence(rule: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, segments: tuple[Segment, ...]) -> torch.Tensor:
+                       beta: torch.Tensor, segments: tuple[Segment, ...],
+                       use_qk_l2norm_in_kernel: bool = False) -> torch.Tensor:
     """The gated delta rule over each segment ([1, rows, heads, d] in, [1, rows, heads, dv] out),
-    each from its parent's final state (zeros without a parent)."""
+    each from its parent's final state (zeros without a parent). `rule`: flash-linear-attention's
+    `chunk_gated_delta_rule` calling convention (initial_state, output_final_state; returns the
+    output and the final state), which megatron-core's, transformers' and the package's torch
+    rules share."""
     if rule is None:
         raise ValueError("shared prefix: a gated delta net outside deterministic mode needs flash-linear-attention's "
                          "chunk_gated_delta_rule (not installed); set config.deterministic_mode=True for "
@@ -173,7 +178,7 @@ def segment_recurrence(rule: Any, query: torch.Tensor, key: torch.Tensor, value:
             continue
         out, final = rule(query[:, rows], key[:, rows], value[:, rows], g=g[:, rows], beta=beta[:, rows],
                           initial_state=initial, output_final_state=index in parents,
-                          use_qk_l2norm_in_kernel=False)
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         states.append(final)
         pieces[segment.start] = out
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=1)

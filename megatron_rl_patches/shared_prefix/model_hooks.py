@@ -14,7 +14,9 @@ already hands down every call (forward, pipeline stages, recompute), never from 
   forward hook), so the output layer, an output processor and every framework's loss see the rows
   they see today (the prefix's last row once per member: G targets);
 - each of megatron-core's gated delta nets: a remainder continues its prefix's recurrent state and
-  convolution window (`gated_delta_net.planned_gated_delta_net_class`).
+  convolution window (`gated_delta_net.planned_gated_delta_net_class`); slime's own (Qwen3.5's and
+  Qwen3-Next's `HuggingfaceAttention` layers) the same way (`slime_gated_delta_net`). The package's
+  own inference gated delta net runs a plan without preparing.
 
 Three kinds of model bring a seam of their own (each in its module): multi-latent attention's own
 rotary table (`mla`), an MoE router's statistics in training (`moe_statistics`: the plan handed to
@@ -53,6 +55,10 @@ from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_l
 from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
 from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.slime_gated_delta_net import (
+    is_slime_gated_delta_net,
+    prepare_slime_gated_delta_net,
+)
 
 FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
 INSTALLED = "_megatron_rl_patches_shared_prefix"  # the mark on a prepared module
@@ -99,7 +105,7 @@ def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto", cp_layout:
 
 # the per-model seams a module of its kind takes (each kind's module prepares it)
 SEAMS = ((is_moe_layer, prepare_moe_layer), (is_mtp_block, prepare_mtp_block),
-         (is_gated_delta_net, prepare_gated_delta_net))
+         (is_gated_delta_net, prepare_gated_delta_net), (is_slime_gated_delta_net, prepare_slime_gated_delta_net))
 
 
 def prepare_shared_prefix(model: Any) -> Any:

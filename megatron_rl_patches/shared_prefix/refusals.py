@@ -26,6 +26,11 @@ from megatron_rl_patches.shared_prefix.gated_delta_net import PlannedGatedDeltaN
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
 from megatron_rl_patches.shared_prefix.mla import is_latent_attention
 from megatron_rl_patches.shared_prefix.model_hooks import SharedPrefixCore
+from megatron_rl_patches.shared_prefix.slime_gated_delta_net import (
+    LAYERS,
+    is_slime_gated_delta_net,
+    slime_gated_delta_net_reason,
+)
 
 PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params on, unread, or the package prepares it
     "megatron.core.models.gpt.gpt_model.GPTModel",
@@ -52,8 +57,11 @@ CORES = {  # core attentions computing plain causal softmax attention from the c
 RECURRENT = {"GatedDeltaNet": "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final "
                               "recurrent state)",
              "MambaMixer": "Mamba layers (each remainder would start from the prefix's final state)"}
+PACKAGE_GATED_DELTA_NET = "megatron_rl_patches.inference.gated_delta_net.GatedDeltaNetLayer"
 RECURRENT_SERVED = {  # recurrent layers whose forward the package runs planned (shared_prefix/gated_delta_net.py)
     "megatron.core.ssm.gated_delta_net.GatedDeltaNet",  # megatron-core 0.16's; 0.19's gdn.GatedDeltaNet is another
+    PACKAGE_GATED_DELTA_NET,  # the package's (Hugging Face Qwen3.5's and Qwen3-Next's teachers)
+    *LAYERS.values(),  # slime's, inside its layer (shared_prefix/slime_gated_delta_net.py)
 }
 NOT_KNOWN = ("a module the plan does not know ({name} at {path} takes packed_seq_params: what it reads of them is "
              "its own)")
@@ -169,6 +177,11 @@ def module_reason(path: str, module: Any) -> str | None:
         return f"{getattr(module, 'attention_type', '')} attention ({_qualified(cls)} at {path})"
     if not _takes_packed_seq_params(cls):
         return None
+    if is_slime_gated_delta_net(module):
+        return slime_gated_delta_net_reason(module, path or "the model")
+    if _forward_owner(own) == PACKAGE_GATED_DELTA_NET and int(getattr(module, "cp_size", 1)) > 1:
+        return (f"the package's gated delta net ({_qualified(cls)} at {path}) at context parallelism (context-parallel "
+                f"size {module.cp_size}): it runs a plan's stream at one rank; run it at context_parallel_size=1")
     if is_language_model(module) or _forward_owner(own) in PASSES_ON | CORES | RECURRENT_SERVED:
         return None
     return NOT_KNOWN.format(name=_qualified(cls), path=path or "the model")

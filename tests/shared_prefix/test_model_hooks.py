@@ -182,14 +182,28 @@ def test_what_the_plan_cannot_run_is_refused_by_name(overrides, training, messag
     assert config_reason(SimpleNamespace(**plain), training) is None
 
 
+class MambaMixer(torch.nn.Module):
+    """A recurrent layer the plan does not serve (by its class's name, as megatron-core's)."""
+
+    def forward(self, hidden_states, packed_seq_params=None):
+        return hidden_states
+
+
 def test_a_recurrent_layer_is_refused_by_name_on_every_rank(megatron_cpu):
     from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
     from megatron_rl_patches.shared_prefix import check_shared_prefix
 
     model = _model("rope-gqa")
+    model.decoder.layers[0].extra = MambaMixer()
+    with pytest.raises(ValueError, match="Mamba layers"):
+        check_shared_prefix(model, training=False)
+    # the package's gated delta net runs a plan at one context-parallel rank only
     model.decoder.layers[0].extra = GatedDeltaNetLayer.__new__(GatedDeltaNetLayer)
     torch.nn.Module.__init__(model.decoder.layers[0].extra)
-    with pytest.raises(ValueError, match="gated delta net"):
+    model.decoder.layers[0].extra.cp_size = 1
+    check_shared_prefix(model, training=False)
+    model.decoder.layers[0].extra.cp_size = 2
+    with pytest.raises(ValueError, match="the package's gated delta net .* at context parallelism"):
         check_shared_prefix(model, training=False)
 
 

@@ -1,0 +1,166 @@
+"""slime's own gated-delta-net layers (Qwen3.5's and Qwen3-Next's `Attention(HuggingfaceAttention)`
+in slime_plugins/models/qwen3_5.py and qwen3_next.py) over a shared-prefix plan.
+
+slime's layer hands `packed_seq_params.cu_seqlens_q` to its `linear_attn`, which passes it, as it
+is, to exactly two calls: the short convolution (`self.conv1d(x=..., cu_seqlens=...)`, flash-linear-
+attention's ShortConvolution) and the recurrence (`self.chunk_gated_delta_rule(..., cu_seqlens=...)`,
+flash-linear-attention's or FlashQLA's kernel). Under a plan the layer's `hf_forward` hands on the
+plan's segments (`PlannedStream`) in place of cu_seqlens, and those two calls, prepared once, run
+them as megatron-core's GatedDeltaNet does (`gated_delta_net.segment_convolution` /
+`segment_recurrence`: each remainder from its prefix's convolution window and final recurrent
+state, computed once; the gradients reach the prefix through them). Everything per token (the
+input norm, the projections, the gate, the output norm and projection) runs over the whole stream
+as slime wrote it; sequence parallelism gathers and scatters in slime's own forward around it.
+
+The recurrence is the layer's own kernel, called per segment with `initial_state` and
+`output_final_state` (flash-linear-attention's chunked kernel on CUDA; on CPU a torch stand-in
+with the same calling convention, the lane's). Context parallelism (slime's layer all-gathers the
+zigzag rows of each sequence of cu_seqlens, which a plan's stream does not have) and FlashQLA's
+kernel (its initial-state gradient unchecked) are refused by name (`refusals`)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl_patches.shared_prefix.gated_delta_net import (
+    PlannedGatedDeltaNet,
+    Segment,
+    checked_segments,
+    plan_segments,
+    segment_convolution,
+    segment_recurrence,
+)
+from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
+
+# slime's layer classes (qualified names), each with the class of its `linear_attn`
+LAYERS = {"slime_plugins.models.qwen3_5.Attention": "slime_plugins.models.qwen3_5.Qwen3_5GatedDeltaNet",
+          "slime_plugins.models.qwen3_next.Attention": "slime_plugins.models.qwen3_next.Qwen3NextGatedDeltaNet"}
+BACKENDS = ("fla",)  # the layer's `gdn_backend`s whose kernel takes a differentiable initial state
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def is_slime_gated_delta_net(module: Any) -> bool:
+    """slime's Qwen3.5 / Qwen3-Next gated-delta-net layer (or a subclass), found without importing slime."""
+    return any(_qualified(cls) in LAYERS for cls in type(module).__mro__)
+
+
+def slime_gated_delta_net_reason(module: Any, path: str) -> str | None:
+    """Why a plan cannot run slime's gated-delta-net layer `module` (at `path`), or None."""
+    config = getattr(module, "config", None)
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    if cp > 1:
+        return (f"slime's gated delta net layer ({_qualified(type(module))} at {path}) at context parallelism "
+                f"(context_parallel_size={cp}): slime's HuggingfaceAttention all-gathers each sequence's zigzag rows, "
+                "which a plan's stream does not hold; run it at context_parallel_size=1")
+    backend = getattr(getattr(module, "linear_attn", None), "gdn_backend", "fla")
+    if backend not in BACKENDS:
+        return (f"slime's gated delta net layer ({_qualified(type(module))} at {path}) on --qwen-gdn-backend "
+                f"{backend}: a plan continues each remainder from its prefix's state through the kernel's "
+                f"initial_state, checked for {', '.join(BACKENDS)} only; run it with --qwen-gdn-backend fla")
+    return None
+
+
+@dataclass(frozen=True)
+class PlannedStream:
+    """What slime's layer hands its convolution and recurrence in place of cu_seqlens under a plan."""
+
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    """The packed_seq_params slime's `hf_forward` reads under a plan (cu_seqlens_q only)."""
+
+    cu_seqlens_q: PlannedStream
+
+
+class PlannedRule:
+    """The layer's recurrence kernel, run per segment of a `PlannedStream` (any other call: the
+    kernel as it is)."""
+
+    def __init__(self, rule: Any) -> None:
+        self.rule = rule
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                 cu_seqlens: Any = None, **kwargs: Any) -> Any:
+        if not isinstance(cu_seqlens, PlannedStream):
+            return self.rule(query, key, value, *args, cu_seqlens=cu_seqlens, **kwargs)
+        g, beta = kwargs.pop("g"), kwargs.pop("beta")
+        if args or kwargs.pop("initial_state", None) is not None or kwargs.pop("output_final_state", False):
+            raise ValueError("shared prefix: slime's gated delta net runs a plan from zero states, by keyword")
+        l2 = bool(kwargs.pop("use_qk_l2norm_in_kernel", False))
+        if kwargs:
+            raise ValueError(f"shared prefix: slime's gated delta net called its kernel with {sorted(kwargs)}, which a "
+                             "plan does not run")
+        out = segment_recurrence(self.rule, query, key, value, g, beta, cu_seqlens.segments,
+                                 use_qk_l2norm_in_kernel=l2)
+        return out, None
+
+
+class PlannedShortConvolution:
+    """The mark of a short convolution whose class `planned_convolution_class` made."""
+
+
+@functools.cache
+def planned_convolution_class(cls: Any) -> type:
+    """`cls` (flash-linear-attention's ShortConvolution, a depthwise nn.Conv1d taking [b, t, channels])
+    whose forward runs a `PlannedStream` per segment, then its activation; any other call as it is."""
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stream = kwargs.get("cu_seqlens")
+        if not isinstance(stream, PlannedStream):
+            return cls.forward(self, *args, **kwargs)
+        x = kwargs.pop("x") if "x" in kwargs else args[0]
+        if any(kwargs.get(name) is not None for name in ("residual", "mask", "cache")) or len(args) > 1:
+            raise ValueError("shared prefix: slime's gated delta net runs its convolution over a plan without "
+                             "residual, mask or cache")
+        activation = getattr(self, "activation", None)
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"shared prefix: a short convolution with activation {activation!r} (a plan runs silu "
+                             "or none)")
+        mixed = segment_convolution(self, x[0], stream.segments)
+        return (mixed if activation is None else F.silu(mixed))[None].to(x.dtype), None
+
+    return type(f"SharedPrefix{cls.__name__}", (cls, PlannedShortConvolution),
+                {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+@functools.cache
+def planned_layer_class(cls: Any) -> type:
+    """`cls` (slime's layer) whose `hf_forward` hands its linear attention the plan's segments."""
+
+    def hf_forward(self: Any, hidden_states: torch.Tensor, packed_seq_params: Any) -> Any:
+        plan = shared_prefix_plan_of(packed_seq_params)
+        if plan is None:
+            return cls.hf_forward(self, hidden_states, packed_seq_params)
+        reason = slime_gated_delta_net_reason(self, f"layer {getattr(self, 'layer_number', '?')}")
+        if reason is not None:
+            raise ValueError(f"shared prefix: {reason}")
+        batch, rows = hidden_states.shape[:2]
+        if batch != 1:
+            raise ValueError(f"shared prefix: a plan's stream is one batch row, slime's gated delta net got {batch}")
+        segments = checked_segments(plan_segments(plan), rows)
+        return cls.hf_forward(self, hidden_states, StreamParams(PlannedStream(segments)))
+
+    return type(f"SharedPrefix{cls.__name__}", (cls, PlannedGatedDeltaNet),
+                {"hf_forward": hf_forward, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def prepare_slime_gated_delta_net(module: Any) -> None:
+    """Give slime's layer `module` the plan's route, once: its `hf_forward`, its linear attention's
+    short convolution and recurrence kernel."""
+    if isinstance(module, PlannedGatedDeltaNet):
+        return
+    linear = module.linear_attn
+    module.__class__ = planned_layer_class(module.__class__)
+    if not isinstance(linear.conv1d, PlannedShortConvolution):
+        linear.conv1d.__class__ = planned_convolution_class(linear.conv1d.__class__)
+    if not isinstance(linear.chunk_gated_delta_rule, PlannedRule):
+        linear.chunk_gated_delta_rule = PlannedRule(linear.chunk_gated_delta_rule)

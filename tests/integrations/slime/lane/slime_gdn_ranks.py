@@ -1,0 +1,225 @@
+"""Ranks of the slime lane's gated-delta-net worlds: a tiny Qwen3.5- or Qwen3-Next-shaped hybrid built
+from slime's own layer spec (`slime_plugins.models.qwen3_5.get_qwen3_5_spec` / `qwen3_next.
+get_qwen3_next_spec`: 3 of slime's gated-delta-net `Attention(HuggingfaceAttention)` layers, then one
+full-attention layer), its full-attention layers on the kit's packed-input core (Transformer
+Engine's stands there on CPU) and flash-linear-attention's three names on transformers' torch code
+(slime_fla_cpu.py). The layer reads its Hugging Face config from `--hf-checkpoint`: a tiny one."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+KINDS = ("qwen3_5", "qwen3_next")
+LAYERS = 4  # 3 gated delta nets, then full attention (Qwen3.5's interval)
+VOCAB = 64
+TEXT = dict(hidden_size=32, num_hidden_layers=LAYERS, full_attention_interval=4, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            hidden_act="silu", rms_norm_eps=1e-6, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+            vocab_size=VOCAB, intermediate_size=64, max_position_embeddings=256, dtype="float32")
+
+
+def write_hf_config(root: str, kind: str) -> str:
+    """A tiny Qwen3.5 (vision-language wrapper around its text config, as slime reads it) or
+    Qwen3-Next config.json in `root`/kind; returns the directory."""
+    path = os.path.join(root, kind)
+    os.makedirs(path, exist_ok=True)
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(LAYERS)]
+    text = {**TEXT, "layer_types": layer_types}
+    config = ({"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"}} if kind == "qwen3_5"
+              else {**text, "model_type": "qwen3_next"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@contextlib.contextmanager
+def gdn_lane_rank(rank: int, world_size: int, tensor: int = 1) -> Iterator[Any]:
+    """The lane's rank setup with transformers real (slime's layer imports it) and fla on CPU."""
+    for path in (HERE, TESTS):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import slime_fla_cpu
+    import slime_ranks
+    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401  (before fla's stand-in)
+
+    slime_fla_cpu.install()
+    with slime_ranks.lane_rank(rank, world_size, tensor=tensor) as patch:
+        yield patch
+
+
+def slime_spec(kind: str, args: Any, config: Any, vp_stage: Any = None) -> Any:
+    """slime's own spec for `kind`, its decoder block megatron-core's local one with the kit's packed
+    core attention (slime asks Transformer Engine's)."""
+    import importlib
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+    module = importlib.import_module(f"slime_plugins.models.{kind}")
+
+    def local_block(config: Any, use_transformer_engine: bool = True, **kwargs: Any) -> Any:
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, **kwargs)
+        block = copy.deepcopy(block)
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = packed_attention_class()
+        return block
+
+    real = module.get_gpt_decoder_block_spec
+    module.get_gpt_decoder_block_spec = local_block
+    try:
+        return getattr(module, f"get_{kind}_spec")(args, config, vp_stage)
+    finally:
+        module.get_gpt_decoder_block_spec = real
+
+
+def slime_hybrid(kind: str, args: Any, config: Any, pre_process: bool = True, post_process: bool = True,
+                 vp_stage: Any = None, seed: int = 3) -> Any:
+    """The tiny hybrid GPTModel from slime's spec (every parameter drawn from `seed`)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    torch.manual_seed(seed)
+    model = GPTModel(config=config, transformer_layer_spec=slime_spec(kind, args, config, vp_stage),
+                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                     position_embedding_type="rope", pre_process=pre_process, post_process=post_process,
+                     vp_stage=vp_stage)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # slime's layers start at ones / zeros / fla's init: every parameter drawn
+        for name, p in model.named_parameters():
+            if "linear_attn" in name or "input_layernorm" in name:
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def hybrid_provider(kind: str, path: str) -> Any:
+    """Stands for slime's `get_model_provider_func` (as slime_kit.provider_func): the tiny hybrid of
+    `kind` from slime's spec, --hf-checkpoint `path`."""
+
+    def provider_func(args: Any, role: str = "actor") -> Any:
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        args.hf_checkpoint = path
+
+        def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
+                     **_: Any) -> Any:
+            config = config if config is not None else core_transformer_config_from_args(args)
+            return slime_hybrid(kind, args, config, pre_process, post_process, vp_stage)
+
+        return provider
+
+    return provider_func
+
+
+def planned_and_packed(rank: int, world_size: int, root: str, sequence_parallel: bool = False,
+                       dtype: str = "float32") -> dict[str, Any]:
+    """Per kind: slime's hybrid over GRPO groups packed whole (thd, slime's path) and under the
+    shared-prefix plan: the sample rows' log-probs and entropy, every parameter's gradient of one
+    objective, the tokens each embedded, and what check_shared_prefix says at context parallelism."""
+    from types import SimpleNamespace
+
+    with gdn_lane_rank(rank, world_size, tensor=world_size):
+        from kit.shared_prefix import grpo_batch, objective, ordinary, planned, scores
+        from megatron.core import parallel_state
+
+        from megatron_rl_patches.shared_prefix import check_shared_prefix
+        from megatron_rl_patches.testing.compare import collect_grads
+        from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+
+        torch_dtype = getattr(torch, dtype)
+        tp_group = parallel_state.get_tensor_model_parallel_group() if world_size > 1 else None
+        out: dict[str, Any] = {}
+        for kind in KINDS:
+            args = SimpleNamespace(hf_checkpoint=write_hf_config(root, kind), num_experts=None,
+                                   sequence_parallel=sequence_parallel, padded_vocab_size=VOCAB,
+                                   max_position_embeddings=256)
+            config = tiny_gpt_config(num_layers=LAYERS, tensor_model_parallel_size=world_size,
+                                     sequence_parallel=sequence_parallel, params_dtype=torch_dtype,
+                                     pipeline_dtype=torch_dtype)
+            model = slime_hybrid(kind, args, config).to(torch_dtype)
+            check_shared_prefix(model, training=True)  # nothing refused
+            # prompts across the recurrence's 64-row chunk and shorter than the convolution's window
+            batch = grpo_batch(((70, (5, 1, 8)), (2, (6, 4))), (9,), padding=2 if world_size == 1 else 3,
+                               vocab=VOCAB, seed=7)
+            results: dict[str, Any] = {}
+            # "again": the ordinary packed call once the model is prepared (no plan: unchanged bit for bit)
+            for route, run in (("packed", ordinary), ("planned", planned), ("again", ordinary)):
+                model.zero_grad(set_to_none=True)
+                embedded: list[int] = []
+
+                def count(module: Any, args: tuple, kwargs: dict, seen: list[int] = embedded) -> None:
+                    seen.append(int(kwargs.get("input_ids", args[0] if args else None).numel()))
+
+                hook = model.embedding.register_forward_pre_hook(count, with_kwargs=True)
+                kwargs = {"pad_to": world_size} if route == "planned" else {}
+                log_probs, entropy = scores(run(model, batch, **kwargs), batch, tp_group=tp_group)
+                objective(log_probs, entropy).backward()
+                hook.remove()
+                results[route] = {"log_probs": log_probs.detach(), "entropy": entropy.detach(),
+                                  "grads": collect_grads(model), "embedded": embedded}
+            # sequence parallelism: these parameters' gradients are each rank's share of their rows
+            results["split_rows"] = sorted(name for name, p in model.named_parameters()
+                                           if getattr(p, "sequence_parallel", False))
+            config.context_parallel_size = 2  # what a plan says of the same layers at CP = 2
+            try:
+                check_shared_prefix(model, training=True)
+                results["cp2"] = None
+            except ValueError as exc:
+                results["cp2"] = str(exc)
+            out[kind] = results
+        return out
+
+
+PROMPTS = (24, 28)  # two GRPO groups of four
+RESPONSES = ((5, 9, 3, 7), (6, 4, 8, 2))
+MICRO_BATCHES = (((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 1, 2), (3, 4, 5, 6, 7)))  # the second splits a group
+
+
+def grpo_rollouts() -> list[dict]:
+    """Two rollouts of two groups of four samples sharing their group's prompt (slime's per-sample
+    fields; one masked response token per sample)."""
+    rollouts = []
+    for seed, micro_batches in enumerate(MICRO_BATCHES):
+        gen = torch.Generator().manual_seed(50 + seed)
+        tokens, totals, lengths, masks, advantages = [], [], [], [], []
+        for prompt_length, responses in zip(PROMPTS, RESPONSES):
+            prompt = torch.randint(0, VOCAB, (prompt_length,), generator=gen)
+            for response in responses:
+                tokens.append(torch.cat([prompt, torch.randint(0, VOCAB, (response,), generator=gen)]))
+                totals.append(prompt_length + response)
+                lengths.append(response)
+                mask = torch.ones(response, dtype=torch.int)
+                mask[response // 2] = 0
+                masks.append(mask)
+                advantages.append(torch.randn(response, generator=gen))
+        rollouts.append({"tokens": tokens, "total_lengths": totals, "response_lengths": lengths, "loss_masks": masks,
+                         "advantages": advantages, "micro_batch_indices": [list(m) for m in micro_batches]})
+    return rollouts
+
+
+def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: bool,
+                       flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """slime's real `train_actor` (slime_ranks.opd_train_actor: a reference pass, two snapshot OPD
+    teachers, the old log-prob pass and train() over two rollouts) on the tiny hybrid of `kind` from
+    slime's spec, MEGATRON_RL_PATCHES_SHARED_PREFIX=1 when `on`."""
+    for path in (HERE, TESTS):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import slime_fla_cpu
+    import slime_kit
+    import slime_ranks
+    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401  (before fla's stand-in)
+
+    slime_fla_cpu.install("token")  # float32-stable under the teacher snapshots' strong decays
+    slime_kit.provider_func = hybrid_provider(kind, write_hf_config(root, kind))
+    extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts()}
+    return slime_ranks.opd_train_actor(rank, world_size, 1, tensor=world_size, rollouts=2, extra=extra,
+                                       flags=("--num-layers", str(LAYERS), *flags))

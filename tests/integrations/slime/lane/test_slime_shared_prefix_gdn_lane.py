@@ -1,0 +1,130 @@
+"""slime's own gated-delta-net layers (Qwen3.5's and Qwen3-Next's `Attention(HuggingfaceAttention)`,
+slime_plugins/models/qwen3_5.py and qwen3_next.py, 624b824a) under a shared-prefix plan: a tiny hybrid
+built from slime's spec (3 gated delta nets, 1 full attention; slime_gdn_ranks.py) against the same
+GRPO groups packed whole as slime packs them (thd, cu_seqlens: slime's layer runs each sequence
+alone): the sample rows' log-probs and entropy within 2e-6 and every parameter's gradient within
+5e-5 of its scale (float32: measured 1.4e-6 and 2.4e-5; the recurrence's backward sums the remainders'
+gradients into the prefix's state in another order, and a token-by-token rule in place of the chunked
+one measures the same 2.4e-5), at one rank and at TP = 2 with sequence parallelism (slime's
+layer is duplicated over the tensor-parallel ranks, the stream gathered around it); fewer tokens
+embedded; the prepared model's ordinary call unchanged bit for bit; at context parallelism refused
+by name. And slime's real `train_actor` on the Qwen3.5
+hybrid (a reference pass, two snapshot OPD teachers, the old log-prob pass, train() over two
+rollouts) with MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against 0: the losses, the old and reference
+log-probs, the teachers' log-probs and the weights after the last step within 2e-6 of their scale,
+the ids the same, fewer tokens embedded (its recurrence token by token: the chunked one rounds to 2e-5
+under the snapshots' strong decays, slime_fla_cpu.py)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slime
+TOL, GRAD_TOL = 2e-6, 5e-5
+
+
+def _slime_plugins() -> None:
+    if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found
+        pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
+    pytest.importorskip("slime_plugins.models.hf_attention", reason="slime_plugins is not exported in this lane")
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "tp2sp"])
+def layer_runs(request, tmp_path_factory):
+    _slime_plugins()
+    import slime_gdn_ranks
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    root = str(tmp_path_factory.mktemp("hf"))
+    return run_multirank(slime_gdn_ranks.planned_and_packed, request.param, root, request.param > 1, timeout=400)
+
+
+def _gradients(ranks: list[dict], kind: str, route: str) -> list[dict[str, torch.Tensor]]:
+    """Each rank's gradients, those of a parameter over sequence-parallel rows summed over the ranks
+    (each rank holds its share of the rows; the plan's shares are other rows than the packed path's)."""
+    split = ranks[0][kind]["split_rows"]
+    summed = {name: sum(rank[kind][route]["grads"][name] for rank in ranks) for name in split}
+    return [{**rank[kind][route]["grads"], **summed} for rank in ranks]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_slimes_gated_delta_net_planned_equals_packed_whole(slime_cpu, layer_runs, kind):
+    for rank, packed_grads, planned_grads in zip(layer_runs, _gradients(layer_runs, kind, "packed"),
+                                                 _gradients(layer_runs, kind, "planned")):
+        packed, planned = rank[kind]["packed"], rank[kind]["planned"]
+        for field in ("log_probs", "entropy"):
+            assert _relative(planned[field], packed[field]) <= TOL, field
+        assert packed_grads.keys() == planned_grads.keys()
+        assert any("linear_attn.conv1d" in name for name in packed_grads)
+        for name, want in packed_grads.items():
+            assert _relative(planned_grads[name], want) <= GRAD_TOL, name
+            assert float(want.abs().max()) > 0, name  # every parameter reached
+        assert sum(planned["embedded"]) < sum(packed["embedded"])
+        again = rank[kind]["again"]  # a prepared layer's ordinary call: bit for bit as before
+        assert torch.equal(again["log_probs"], packed["log_probs"])
+        assert all(torch.equal(again["grads"][name], want) for name, want in rank[kind]["packed"]["grads"].items())
+
+
+def test_slimes_gated_delta_net_at_context_parallelism_is_refused_by_name(slime_cpu, layer_runs):
+    for rank in layer_runs:
+        for kind in ("qwen3_5", "qwen3_next"):
+            reason = rank[kind]["cp2"]
+            assert reason is not None and "slime's gated delta net layer" in reason
+            assert "context_parallel_size=2" in reason
+
+
+LINEAR_ADAM = ("--adam-eps", "1.0")  # an update about lr · gradient (as test_slime_shared_prefix_lane.py)
+
+
+@pytest.fixture(scope="module")
+def actor_runs(tmp_path_factory):
+    _slime_plugins()
+    import slime_gdn_ranks
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    root = str(tmp_path_factory.mktemp("hf"))
+    return {on: run_multirank(slime_gdn_ranks.hybrid_train_actor, 1, root, "qwen3_5", on, LINEAR_ADAM, timeout=600)
+            for on in (False, True)}
+
+
+def _close(got, want, tol: float = TOL) -> bool:
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(_close(g, w, tol) for g, w in zip(got, want))
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(_close(got[k], want[k], tol) for k in want)
+    if isinstance(want, torch.Tensor):
+        if want.dtype in (torch.int64, torch.int32, torch.bool):
+            return torch.equal(got, want)
+        return got.shape == want.shape and (got.numel() == 0 or _relative(got, want) <= tol)
+    if isinstance(want, float):
+        return abs(got - want) <= tol * max(1.0, abs(want))
+    return got == want
+
+
+def _worst(got, want) -> float:
+    """The largest difference relative to its scale (for the assertion's message)."""
+    if isinstance(want, dict):
+        return max([_worst(got[k], want[k]) for k in want] or [0.0])
+    if isinstance(want, (list, tuple)):
+        return max([_worst(g, w) for g, w in zip(got, want)] or [0.0])
+    if isinstance(want, torch.Tensor) and want.is_floating_point() and want.numel():
+        return _relative(got, want)
+    return 0.0 if got == want or isinstance(want, torch.Tensor) else float("inf")
+
+
+def test_train_actor_on_slimes_qwen3_5_hybrid_equals_the_setting_off(slime_cpu, actor_runs):
+    off, on = actor_runs[False], actor_runs[True]
+    for plain, planned in zip(off, on):
+        for field in ("losses", "old_log_probs", "ref_log_probs", "ids", "teacher_logprobs"):
+            assert _close(planned[field], plain[field]), f"{field}: {_worst(planned[field], plain[field])}"
+        assert _close(planned["updated"], plain["updated"]), "weights after the last step"
+        assert plain["prefix_passes"] == [] and len(planned["prefix_passes"]) >= 4
+        assert sum(planned["embedded"]) < sum(plain["embedded"])
