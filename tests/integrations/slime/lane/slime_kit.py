@@ -220,10 +220,11 @@ def reference(model: list[Any], data: dict, temperature: float) -> tuple[list[to
     return log_probs, entropies
 
 
-def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: Any) -> Any:
+def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: Any, scale: float = 0.5) -> Any:
     """slime's `MegatronTrainRayActor` with what its `init` sets for training (args, model, the
     weight snapshots of slime's TensorBackuper, active tag "actor"); its checkpoint reader gives
-    each teacher path the tiny GPT's weights from that path's seed (the lane has no checkpoints)."""
+    each teacher path the tiny GPT's weights from that path's seed (the lane has no checkpoints):
+    the actor's own moved by `scale` times a standard normal draw."""
     from slime.backends.megatron_utils import actor as slime_actor
     from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
     from slime.utils.tensor_backper import TensorBackuper
@@ -232,7 +233,7 @@ def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: An
         gen = torch.Generator().manual_seed(teachers[args.load])
         with torch.no_grad():
             for p in (p for chunk in chunks for p in chunk.parameters()):  # every virtual-pipeline chunk
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
         return 0, 0
 
     monkeypatch.setattr(slime_actor, "load_checkpoint", load_checkpoint)

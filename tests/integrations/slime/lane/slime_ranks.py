@@ -231,7 +231,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"}); `extra`: {"shared_prefix":
     True} sets MEGATRON_RL_PATCHES_SHARED_PREFIX=1, {"rollouts": [...]} the rollouts' per-sample fields (as
     `cross["samples"]`), {"ref": True} loads a reference snapshot (slime's
-    ref_ pass), and the result then holds the old and reference log-probs, the weights after the last
+    ref_ pass), {"snapshot_scale": s} draws the snapshots' weights s from the actor's (default 0.5),
+    and the result then holds the old and reference log-probs, the weights after the last
     step, the tokens each model forward's embedding was handed and each planned pass's figures."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
@@ -323,7 +324,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2, "reference": 3,
-                                                **(cross or {}).get("seeds", {})}, patch)
+                                                **(cross or {}).get("seeds", {})}, patch,
+                                  (extra or {}).get("snapshot_scale", 0.5))
                 if extra.get("ref"):
                     actor.load_other_checkpoint("ref", "reference")
                     actor._switch_model("actor")
