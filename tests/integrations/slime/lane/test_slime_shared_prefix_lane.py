@@ -5,9 +5,9 @@ log-prob pass and `train()` over two rollouts, at one rank and at TP = 2 (+ sequ
 and the live self-teacher scoring each group's privileged context + the student's responses
 (`student;context=hint`). Against the same run with the setting off: the losses, the recorded old
 and reference log-probs and the weights after the last step within 1e-6 (float32, relative to their
-scale), the step's ids the same, the teachers' log-probs within 2e-6 (the snapshots' peaked logits
-put them near -25 to -40, where float32's step is 2 to 4e-6); the tokens each pass's model forwards
-embedded counted, fewer with the setting on."""
+scale), the step's ids the same, the teachers' log-probs within 2e-6; the tokens each pass's model
+forwards embedded counted, fewer with the setting on. The worlds of the snapshot teachers then run
+multi-turn trees and a DeepSeek-shaped model (issues 112 and 111) through the same train_actor."""
 from __future__ import annotations
 
 import functools
@@ -71,7 +71,7 @@ def _run(tensor: int, flags: tuple, teachers: str, on: bool) -> list[dict]:
     from megatron_rl_patches.testing.multirank import run_multirank
 
     contexts = group_hints(kit.VOCAB) if "context=" in teachers else None
-    extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts(kit.VOCAB)}
+    extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts(kit.VOCAB), "snapshot_scale": SNAPSHOT_SCALE}
     cases = {} if contexts else more_cases(on)  # the snapshots' worlds run the cases at the end too
     return run_multirank(slime_prefix_cases.step_and_more, tensor, cases, 1, 1, tensor, None, None, flags, 2, None, 1,
                          None, None, None, {"TEACHERS": teachers}, contexts, extra, timeout=400 + 400 * len(cases))
@@ -184,9 +184,9 @@ def multi_turn_rollouts(vocab: int) -> list[dict]:
     return rollouts
 
 
-# The further cases' teachers and reference: the actor's weights moved by 0.1 x a normal draw (the
-# main case's 0.5 makes logits so peaked that their log-probs near -25 to -40 carry float32 steps of
-# 2 to 4e-6, TEACHER_TOL), so every log-prob is held to TOL
+# The teachers and the reference: the actor's weights moved by 0.1 x a normal draw (the kit's default
+# 0.5 makes logits so peaked that their log-probs near -25 to -40 carry float32 steps of 2 to 4e-6:
+# the teachers' missed TEACHER_TOL by 2.9e-6 at b9da6374), so the further cases hold every log-prob to TOL
 SNAPSHOT_SCALE = 0.1
 
 
