@@ -75,6 +75,8 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
                  **_: Any) -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
+        if args.multi_latent_attention:
+            return latent_gpt(args, config, pre_process, post_process, vp_stage)
         if args.mtp_num_layers:
             return mtp_gpt(args, config, pre_process, post_process, vp_stage)
         layout = None  # slime's get_batch: zigzag thd, or with --allgather-cp the stream's contiguous slices
@@ -110,6 +112,27 @@ def mtp_gpt(args: Any, config: Any, pre_process: bool, post_process: bool, vp_st
                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                     mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+
+
+def latent_gpt(args: Any, config: Any, pre_process: bool, post_process: bool, vp_stage: Any) -> Any:
+    """A DeepSeek-shaped tiny GPT from slime's arguments: multi-latent attention on the kit's packed
+    core (megatron-core's local MLA layer spec), an MoE MLP of `args.num_experts` experts where set,
+    and `args.mtp_num_layers` MTP heads mirroring that layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_rl_patches.inference.loading.hf.families.mla import disarm_mocked_te_in_mla
+    from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+    disarm_mocked_te_in_mla()
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False, multi_latent_attention=True,
+                                    qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if args.mtp_num_layers else None
+    torch.manual_seed(0)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, mtp_block_spec=mtp)
 
 
 def build(args: Any) -> tuple[list[Any], Any, Any]:
@@ -197,10 +220,11 @@ def reference(model: list[Any], data: dict, temperature: float) -> tuple[list[to
     return log_probs, entropies
 
 
-def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: Any) -> Any:
+def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: Any, scale: float = 0.5) -> Any:
     """slime's `MegatronTrainRayActor` with what its `init` sets for training (args, model, the
     weight snapshots of slime's TensorBackuper, active tag "actor"); its checkpoint reader gives
-    each teacher path the tiny GPT's weights from that path's seed (the lane has no checkpoints)."""
+    each teacher path the tiny GPT's weights from that path's seed (the lane has no checkpoints):
+    the actor's own moved by `scale` times a standard normal draw."""
     from slime.backends.megatron_utils import actor as slime_actor
     from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
     from slime.utils.tensor_backper import TensorBackuper
@@ -209,7 +233,7 @@ def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: An
         gen = torch.Generator().manual_seed(teachers[args.load])
         with torch.no_grad():
             for p in (p for chunk in chunks for p in chunk.parameters()):  # every virtual-pipeline chunk
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
         return 0, 0
 
     monkeypatch.setattr(slime_actor, "load_checkpoint", load_checkpoint)

@@ -231,7 +231,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"}); `extra`: {"shared_prefix":
     True} sets MEGATRON_RL_PATCHES_SHARED_PREFIX=1, {"rollouts": [...]} the rollouts' per-sample fields (as
     `cross["samples"]`), {"ref": True} loads a reference snapshot (slime's
-    ref_ pass), and the result then holds the old and reference log-probs, the weights after the last
+    ref_ pass), {"snapshot_scale": s} draws the snapshots' weights s from the actor's (default 0.5),
+    and the result then holds the old and reference log-probs, the weights after the last
     step, the tokens each model forward's embedding was handed and each planned pass's figures."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
@@ -323,7 +324,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2, "reference": 3,
-                                                **(cross or {}).get("seeds", {})}, patch)
+                                                **(cross or {}).get("seeds", {})}, patch,
+                                  (extra or {}).get("snapshot_scale", 0.5))
                 if extra.get("ref"):
                     actor.load_other_checkpoint("ref", "reference")
                     actor._switch_model("actor")
@@ -374,6 +376,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     return result
 
                 patch.setattr(slime_model, "train_one_step", noting_losses)
+                mtp_losses = noting_mtp_losses(patch) if args.enable_mtp_training else None
+                expert_counts = noting_expert_counts(patch) if extra and args.num_experts else None
                 seconds = [time.perf_counter()]
                 actor.train_actor(0, data)
                 seconds.append(time.perf_counter())
@@ -409,11 +413,62 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "active": actor._active_model_tag,
                         "old_log_probs": first.get("log_probs"), "ref_log_probs": first.get("ref_log_probs"),
                         "updated": _stage_state(model) if extra else None, "embedded": embedded,
-                        "prefix_passes": passes,
+                        "prefix_passes": passes, "mtp_losses": mtp_losses if last else None,
+                        **(moe_statistics(model) if extra and args.num_experts else {}), "expert_counts": expert_counts,
                         "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]
                                       for t in models if not isinstance(t, str) for chunk in t]}
         finally:
             megatron_rl_patches.revert()
+
+
+def noting_mtp_losses(patch: Any) -> list[Any]:
+    """Filled with the MTP loss per depth of every step, as slime's train() reads megatron's tracker
+    (after its reductions, before it cleans the tracker)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    noted: list[Any] = []
+    clean = MTPLossLoggingHelper.clean_loss_in_tracker
+
+    def noting() -> None:
+        values = MTPLossLoggingHelper.tracker.get("values")
+        if values is not None:
+            noted.append(values.clone())
+        clean()
+
+    patch.setattr(MTPLossLoggingHelper, "clean_loss_in_tracker", staticmethod(noting))
+    return noted
+
+
+def noting_expert_counts(patch: Any) -> list[Any]:
+    """Filled at each step with the tokens-per-expert counts (all layers, summed over the step's
+    micro-batches and the tensor- and data-parallel ranks) that megatron's update moves the expert
+    bias by (`finalize_model_grads`)."""
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    noted: list[Any] = []
+    update = finalize.get_updated_expert_bias
+
+    def noting(tokens_per_expert: Any, expert_bias: Any, rate: float) -> Any:
+        updated = update(tokens_per_expert, expert_bias, rate)
+        noted.append(tokens_per_expert.clone())  # all-reduced in place by the update
+        return updated
+
+    patch.setattr(finalize, "get_updated_expert_bias", noting)
+    return noted
+
+
+def moe_statistics(model: list[Any]) -> dict[str, Any]:
+    """After the steps: every router's expert bias (megatron's update from the tokens-per-expert
+    counts) and the MoE losses megatron-core tracked per layer (summed over the steps; slime never
+    clears the tracker)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    bias = {name: b.detach().clone() for chunk in model for name, b in chunk.named_buffers()
+            if name.endswith("expert_bias")}
+    tracked = {name: entry["values"].detach().clone() for name, entry in get_moe_layer_wise_logging_tracker().items()
+               if isinstance(entry, dict) and entry.get("values") is not None}
+    return {"expert_bias": bias, "moe_losses": tracked}
 
 
 FUSED = ["slime_fused", "gpt_output_processor"]

@@ -1,0 +1,43 @@
+"""More shared-prefix cases in the slime lane's existing `train_actor` worlds (issues 111 and 112):
+after the world's own case, each further case is slime's real `train_actor` again in the same
+ranks, with its own rollouts and flags (multi-turn trees; a DeepSeek-shaped model with multi-latent
+attention, MoE with expert-bias updates and an aux loss, and one MTP layer). Spawned ranks import it
+by name."""
+from __future__ import annotations
+
+from typing import Any
+
+# A DeepSeek-shaped student (megatron-core's MLA on the kit's packed core, unfused and non-interleaved
+# RoPE; 4 experts top-2 with a sigmoid router whose expert bias moves and an aux loss; one MTP layer
+# trained as slime trains it, with slime's MTP loss scaling)
+DEEPSEEK_SHAPED = (
+    "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rope-type", "rope", "--normalization", "RMSNorm",
+    "--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+    "0.01", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.1", "--disable-bias-linear",
+    "--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.2",
+)  # fmt: skip
+
+
+def _timer_reset() -> None:
+    from slime.observability.timer import Timer
+
+    Timer().start_time.pop("train_wait", None)  # one Timer per process: the run before left it started
+
+
+def step_and_more(rank: int, world_size: int, cases: dict[str, dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`slime_ranks.opd_train_actor(rank, world_size, *args)`, then each case: the same call with the
+    case's keywords in place of those arguments (its "flags" added to the world's), its result under
+    the case's name."""
+    import inspect
+
+    import slime_ranks
+
+    result = slime_ranks.opd_train_actor(rank, world_size, *args)
+    world = inspect.signature(slime_ranks.opd_train_actor).bind(rank, world_size, *args).arguments
+    for name, keywords in cases.items():
+        _timer_reset()
+        call = {**world, **keywords, "flags": (*world.get("flags", ()), *keywords.get("flags", ()))}
+        result[name] = slime_ranks.opd_train_actor(**call)
+    return result
