@@ -128,7 +128,10 @@ test:
 # mypy's cache lives outside the clone: a fresh clone on a machine that ran it before re-checks only
 # what changed (each entry is validated by its file's hash); with no cache the run takes minutes.
 MYPY_CACHE ?= $(HOME)/.cache/megatron-rl-patches/mypy
+# The main lane puts the bench's peer (.lanes/bench-peer, a few seconds) where its test finds it; a failed
+# install leaves that test skipped, naming the lane, and the lane runs on.
 test-main: $(STAMP)
+	@$(MAKE) --no-print-directory $(BENCH_PEER_STAMP) || echo "make: $(BENCH_PEER_LANE) could not be installed: the peer's test skips"
 	@status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/mypy --cache-dir "$(MYPY_CACHE)" || status=1; \
 	$(THREADS) $(VENV)/bin/python -m pytest $(PARALLEL) $(PYTEST_ARGS) || status=1; exit $$status
 

@@ -21,14 +21,14 @@ Qwen3 of the same shape, against its own unshared baseline); one "not installed"
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from typing import Any
 
 from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
-from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
+from megatron_rl_patches.apps.bench.measure import SavedBytes
 from megatron_rl_patches.apps.bench.progress import CaseLines
 from megatron_rl_patches.apps.bench.shared_prefix_peer import peer_of, peer_rows
+from megatron_rl_patches.apps.bench.shared_prefix_rows import timed_row
 
 FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 3,
                         "cases": ((1024, 128, 8), (256, 1024, 8))}
@@ -193,24 +193,9 @@ def measure(plan: dict) -> list[dict]:
                             times[route]["forward"].append(forward)
                             times[route]["train"].append(train)
                 for route in params:
-                    own, plain = times[route], times[UNSHARED]
-                    ratio = {kind: statistics.median(a[1] / b[1] for a, b in zip(own[kind], plain[kind]))
-                             for kind in ("forward", "train")}
-
-                    def median(kind: str, which: int, own: dict = own) -> float:
-                        return statistics.median(t[which] for t in own[kind]) * 1e3
-
-                    rows.append({
-                        "case": case, "packing": route,
-                        "tokens": params[route].shared_prefix.physical_length,
-                        "forward_ms": median("forward", 0), "forward_cpu_ms": median("forward", 1),
-                        "forward_vs_unshared": ratio["forward"],
-                        "train_ms": median("train", 0), "train_cpu_ms": median("train", 1),
-                        "train_vs_unshared": ratio["train"],
-                        "activations_MiB": saved[route] / MIB,
-                        "activations_vs_unshared": saved[route] / saved[UNSHARED],
-                        "max_abs_diff": float((log_probs[route] - log_probs[UNSHARED]).abs().max()),
-                    })
+                    rows.append(timed_row(case, route, params[route].shared_prefix.physical_length, times[route],
+                                          times[UNSHARED], saved[route], saved[UNSHARED],
+                                          float((log_probs[route] - log_probs[UNSHARED]).abs().max())))
                 unshared = next(row for row in rows if row["case"] == case and row["packing"] == UNSHARED)
                 ours = rows[-1]
                 rows += peer_rows(peer, case, batch)

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.benchmark_run import run_benchmark
-from megatron_rl_patches.apps.bench.measure import MIB
 from megatron_rl_patches.apps.bench.progress import CaseLines
 from megatron_rl_patches.apps.bench.shared_prefix import (
     BARS,
@@ -39,6 +37,7 @@ from megatron_rl_patches.apps.bench.shared_prefix import (
     micro_batch,
     one_pass,
 )
+from megatron_rl_patches.apps.bench.shared_prefix_rows import timed_row
 
 MODELS = ("hybrid", "deepseek", "cp2")
 SHAPES = (*MODELS, "models")  # `models`: the three in one table
@@ -259,17 +258,8 @@ def table_rows(case: str, measured: dict[str, dict[str, Any]], tokens: dict[str,
     plain = measured[UNSHARED]
     rows = []
     for route, own in measured.items():
-        def median(kind: str, which: int, own: dict = own) -> float:
-            return statistics.median(t[which] for t in own[kind]) * 1e3
-
-        ratio = {kind: statistics.median(a[1] / b[1] for a, b in zip(own[kind], plain[kind]))
-                 for kind in ("forward", "train")}
-        rows.append({"case": case, "packing": route, "tokens": tokens[route],
-                     "forward_ms": median("forward", 0), "forward_cpu_ms": median("forward", 1),
-                     "forward_vs_unshared": ratio["forward"], "train_ms": median("train", 0),
-                     "train_cpu_ms": median("train", 1), "train_vs_unshared": ratio["train"],
-                     "activations_MiB": own["saved"] / MIB, "activations_vs_unshared": own["saved"] / plain["saved"],
-                     "max_abs_diff": own["diff"], "note": notes.get(route, "")})
+        rows.append(timed_row(case, route, tokens[route], own, plain, own["saved"], plain["saved"], own["diff"],
+                              notes.get(route, "")))
     return rows
 
 

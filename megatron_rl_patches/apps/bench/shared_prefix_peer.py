@@ -17,12 +17,12 @@ predict a response token, through the model's output layer and a log-softmax on 
 from __future__ import annotations
 
 import importlib.util
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
+from megatron_rl_patches.apps.bench.measure import SavedBytes
+from megatron_rl_patches.apps.bench.shared_prefix_rows import timed_row
 
 PEER, PEER_UNSHARED = "PrefixGrouper", "transformers unshared"
 PEER_VERSION = "0.0.1.post1"
@@ -212,22 +212,11 @@ class Peer:
         tokens = {PEER_UNSHARED: sum(len(s) for s in samples.ids), PEER: int(layout.ids.numel())}
         rows = []
         for kind in passes:
-            own, plain = times[kind], times[PEER_UNSHARED]
-            ratio = {part: statistics.median(a[1] / b[1] for a, b in zip(own[part], plain[part]))
-                     for part in ("forward", "train")}
-
-            def median(part: str, which: int, own: dict = own) -> float:
-                return statistics.median(t[which] for t in own[part]) * 1e3
-
-            rows.append({"case": case, "packing": kind, "tokens": tokens[kind],
-                         "forward_ms": median("forward", 0), "forward_cpu_ms": median("forward", 1),
-                         "forward_vs_unshared": ratio["forward"], "train_ms": median("train", 0),
-                         "train_cpu_ms": median("train", 1), "train_vs_unshared": ratio["train"],
-                         "activations_MiB": saved[kind] / MIB,
-                         "activations_vs_unshared": saved[kind] / saved[PEER_UNSHARED],
-                         "max_abs_diff": float((values[kind] - values[PEER_UNSHARED]).abs().max()),
-                         "note": f"prefix {layout.group_info[0][0]} tokens, once per group" if kind == PEER else
-                         "the peer's baseline: transformers' Qwen3, each sample whole"})
+            note = (f"prefix {layout.group_info[0][0]} tokens, once per group" if kind == PEER else
+                    "the peer's baseline: transformers' Qwen3, each sample whole")
+            rows.append(timed_row(case, kind, tokens[kind], times[kind], times[PEER_UNSHARED], saved[kind],
+                                  saved[PEER_UNSHARED], float((values[kind] - values[PEER_UNSHARED]).abs().max()),
+                                  note))
         return rows
 
 
