@@ -83,17 +83,7 @@ def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, ru
         prepare_shared_prefix(model)
         for layout, index in runs:
             batch = batches[index]
-            plan = batch.plan(pad_to=4 * tensor_parallel)
-            mine = local_rows(layout, parallel_state.get_context_parallel_rank(), 2, cu_seqlens=batch.cu_seqlens)
-            logits = model(batch.tokens[:, mine], None, None,
-                           packed_seq_params=shared_prefix_params(plan, cp_layout=layout))
-            sample = mine < batch.rows.numel()
-            rows = mine[sample]
-            log_probs, entropy = log_probs_and_entropy(logits[0, sample], batch.labels[0, rows], tp_group=tp,
-                                                       with_entropy=True)
-            weights_of_rows = torch.randn(2, batch.rows.numel(), generator=torch.Generator().manual_seed(index))
-            loss = (weights_of_rows[0, rows] * log_probs).sum() + (weights_of_rows[1, rows] * entropy).sum()
-            loss.backward()  # `objective`'s terms at this rank's rows: summed over the CP ranks, the whole one
+            rows, log_probs, entropy, loss = rank_step(model, batch, layout, index, tensor_parallel, tp)
             summed = loss.detach().clone()
             torch.distributed.all_reduce(summed, group=cp)
             want_lp, want_ent, want_loss, want_grads = want[index]
@@ -146,9 +136,8 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
     from kit.moe_statistics import read_statistics, reset_statistics
     from kit.shared_prefix import objective, ordinary
     from megatron_rl_patches import log_probs_and_entropy
-    from megatron_rl_patches.shared_prefix import check_shared_prefix, prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.shared_prefix import check_shared_prefix, prepare_shared_prefix
     from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
-    from megatron_rl_patches.testing.cp_layout import local_rows
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     def norms_summed(model, grads):  # each TP rank's share of the rows, summed as finalize_model_grads does
@@ -203,19 +192,10 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
         prepare_shared_prefix(model)
         for layout, index in runs:
             batch = batches[index]
-            plan = batch.plan(pad_to=4 * parallel.get("tensor_parallel", 1))
-            mine = local_rows(layout, parallel_state.get_context_parallel_rank(), 2, cu_seqlens=batch.cu_seqlens)
             before = reset_statistics(model) if statistics else None
             model.train()
-            logits = model(batch.tokens[:, mine], None, None,
-                           packed_seq_params=shared_prefix_params(plan, cp_layout=layout))
-            sample = mine < batch.rows.numel()
-            rows = mine[sample]
-            log_probs, entropy = log_probs_and_entropy(logits[0, sample], batch.labels[0, rows], tp_group=tp,
-                                                       with_entropy=True)
-            weights_of_rows = torch.randn(2, batch.rows.numel(), generator=torch.Generator().manual_seed(index))
-            loss = (weights_of_rows[0, rows] * log_probs).sum() + (weights_of_rows[1, rows] * entropy).sum()
-            loss.backward()
+            tensor_parallel = parallel.get("tensor_parallel", 1)
+            rows, log_probs, entropy, loss = rank_step(model, batch, layout, index, tensor_parallel, tp)
             summed = loss.detach().clone()
             torch.distributed.all_reduce(summed, group=cp)
             want_lp, want_ent, want_loss, _, want_statistics = want[index]
@@ -319,3 +299,26 @@ def pipeline_exactness(layout: str = "zigzag") -> dict:
         errors = [relative_error(r["log_probs"], w[r["rows"]]) for r, w in zip(reported, want)] if post else []
     return {"log_probs": max(errors, default=0.0), "grads": grad_error(grads, want_grads), "last": post,
             "micro_batches": len(reported)}
+
+
+def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp):
+    """This CP rank's planned step on `batch`: its `layout` share of the ids through `model`, the
+    log-probs and entropy at its sample rows and `objective`'s terms there, backward (summed over the
+    CP ranks: the whole objective). Returns (rows, log_probs, entropy, loss)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches import log_probs_and_entropy
+    from megatron_rl_patches.shared_prefix import shared_prefix_params
+    from megatron_rl_patches.testing.cp_layout import local_rows
+
+    plan = batch.plan(pad_to=4 * tensor_parallel)
+    mine = local_rows(layout, parallel_state.get_context_parallel_rank(), 2, cu_seqlens=batch.cu_seqlens)
+    logits = model(batch.tokens[:, mine], None, None, packed_seq_params=shared_prefix_params(plan, cp_layout=layout))
+    sample = mine < batch.rows.numel()
+    rows = mine[sample]
+    log_probs, entropy = log_probs_and_entropy(logits[0, sample], batch.labels[0, rows], tp_group=tp, with_entropy=True)
+    weights_of_rows = torch.randn(2, batch.rows.numel(), generator=torch.Generator().manual_seed(index))
+    loss = (weights_of_rows[0, rows] * log_probs).sum() + (weights_of_rows[1, rows] * entropy).sum()
+    loss.backward()
+    return rows, log_probs, entropy, loss

@@ -178,31 +178,11 @@ def planned_and_packed(rank: int, world_size: int, root: str, sequence_parallel:
         return out
 
 
-PROMPTS = (24, 28)  # two GRPO groups of four
-RESPONSES = ((5, 9, 3, 7), (6, 4, 8, 2))
-MICRO_BATCHES = (((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 1, 2), (3, 4, 5, 6, 7)))  # the second splits a group
-
-
 def grpo_rollouts() -> list[dict]:
-    """Two rollouts of two groups of four samples sharing their group's prompt (slime's per-sample
-    fields; one masked response token per sample)."""
-    rollouts = []
-    for seed, micro_batches in enumerate(MICRO_BATCHES):
-        gen = torch.Generator().manual_seed(50 + seed)
-        tokens, totals, lengths, masks, advantages = [], [], [], [], []
-        for prompt_length, responses in zip(PROMPTS, RESPONSES):
-            prompt = torch.randint(0, VOCAB, (prompt_length,), generator=gen)
-            for response in responses:
-                tokens.append(torch.cat([prompt, torch.randint(0, VOCAB, (response,), generator=gen)]))
-                totals.append(prompt_length + response)
-                lengths.append(response)
-                mask = torch.ones(response, dtype=torch.int)
-                mask[response // 2] = 0
-                masks.append(mask)
-                advantages.append(torch.randn(response, generator=gen))
-        rollouts.append({"tokens": tokens, "total_lengths": totals, "response_lengths": lengths, "loss_masks": masks,
-                         "advantages": advantages, "micro_batch_indices": [list(m) for m in micro_batches]})
-    return rollouts
+    """slime_prefix_cases' two rollouts of two GRPO groups of four, at this file's vocabulary and seeds."""
+    from slime_prefix_cases import grpo_rollouts as rollouts
+
+    return rollouts(VOCAB, seed_base=50)
 
 
 def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: bool,

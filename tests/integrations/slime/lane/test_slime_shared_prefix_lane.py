@@ -15,38 +15,14 @@ import sys
 
 import pytest
 import torch
+from slime_prefix_cases import PROMPTS, RESPONSES, grpo_rollouts  # the lane's helpers (its directory is on the path)
 
 from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.slime
 TOL = 1e-6
 TEACHER_TOL = 2e-6
-PROMPTS = (24, 28)  # two GRPO groups of four
-RESPONSES = ((5, 9, 3, 7), (6, 4, 8, 2))
-MICRO_BATCHES = (((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 1, 2), (3, 4, 5, 6, 7)))  # the second splits a group
 CONTEXT = 10  # each group's privileged hint
-
-
-def grpo_rollouts(vocab: int) -> list[dict]:
-    """Two rollouts of two groups of four samples sharing their group's prompt (slime's per-sample
-    fields; one masked response token per sample)."""
-    rollouts = []
-    for seed, micro_batches in enumerate(MICRO_BATCHES):
-        gen = torch.Generator().manual_seed(40 + seed)
-        tokens, totals, lengths, masks, advantages = [], [], [], [], []
-        for prompt_length, responses in zip(PROMPTS, RESPONSES):
-            prompt = torch.randint(0, vocab, (prompt_length,), generator=gen)
-            for response in responses:
-                tokens.append(torch.cat([prompt, torch.randint(0, vocab, (response,), generator=gen)]))
-                totals.append(prompt_length + response)
-                lengths.append(response)
-                mask = torch.ones(response, dtype=torch.int)
-                mask[response // 2] = 0
-                masks.append(mask)
-                advantages.append(torch.randn(response, generator=gen))
-        rollouts.append({"tokens": tokens, "total_lengths": totals, "response_lengths": lengths, "loss_masks": masks,
-                         "advantages": advantages, "micro_batch_indices": [list(m) for m in micro_batches]})
-    return rollouts
 
 
 def group_hints(vocab: int) -> list[dict]:
