@@ -69,7 +69,7 @@ from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_pref
 # the call's params (holding the plan) are set by the transformer layer's pre-hook for that one call and reset by
 # a hook that always runs
 LAYER_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "megatron_rl_patches_shared_prefix_layer_params", default=None)
+    "megatron_rl_patches_shared_prefix_layer_plan_params", default=None)
 
 
 def is_router(module: Any) -> bool:

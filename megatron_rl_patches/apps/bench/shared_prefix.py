@@ -42,8 +42,6 @@ MULTI_TURN: dict[str, Any] = {**FULL, "shape": "multi-turn", "rounds": 2, "cases
 MULTI_TURN_QUICK: dict[str, Any] = {**QUICK, "shape": "multi-turn", "cases": (), "system": 24, "user": 4,
                                     "assistant": 6, "branches": (1, 2, 2, 1)}
 SHAPES = ("grpo", "multi-turn")
-# `--shape hybrid|deepseek|cp2|models` (apps/bench/shared_prefix_models.py); `all`: every shape, each its own files
-ALL_SHAPES = (*SHAPES, "hybrid", "deepseek", "cp2", "models", "all")
 UNSHARED, SHARED, ONE_LEVEL = "unshared", "shared prefix", "one-level plan"
 COLUMNS = ("case", "packing", "tokens", "forward_ms", "forward_cpu_ms", "forward_vs_unshared", "train_ms",
            "train_cpu_ms", "train_vs_unshared", "activations_MiB", "activations_vs_unshared", "max_abs_diff", "note")
@@ -220,16 +218,11 @@ BARS = Bars(group="case", series="packing",
 
 
 def run(quick: bool = False, out_dir: str | None = None, shape: str = "grpo") -> list[dict]:
-    """Print the table; write shared_prefix.csv / .md / .png (`shape` multi-turn:
-    shared_prefix_multi_turn.*; hybrid, deepseek, cp2, models: shared_prefix_SHAPE.*) into `out_dir` when given."""
-    from megatron_rl_patches.apps.bench import shared_prefix_models
-
-    if shape == "all":  # each shape's own table and files
-        return [row for one in (*SHAPES, "models") for row in run(quick, out_dir, one)]
-    if shape in shared_prefix_models.SHAPES:
-        return shared_prefix_models.run(quick, out_dir, shape)
+    """Print the table; write shared_prefix.csv / .md / .png (`shape` multi-turn: shared_prefix_multi_turn.*)
+    into `out_dir` when given (every shape of `bench shared-prefix`: shared_prefix_shapes.run)."""
     if shape not in SHAPES:
-        raise ValueError(f"bench shared-prefix: shape must be one of {', '.join(ALL_SHAPES)}, got {shape!r}")
+        raise ValueError(f"bench shared-prefix: this module's shapes are {', '.join(SHAPES)}, got {shape!r} "
+                         "(shared_prefix_shapes.run takes every shape)")
     if shape == "multi-turn":
         plan = MULTI_TURN_QUICK if quick else MULTI_TURN
         title = (f"{described(plan)}\nmulti-turn: system {plan['system']}, per turn user {plan['user']} + assistant "

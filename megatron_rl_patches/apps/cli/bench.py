@@ -23,7 +23,7 @@ import tempfile
 
 from megatron_rl_patches.apps.bench import gpu, ops
 from megatron_rl_patches.apps.bench.progress import HEARTBEAT_S, ticking
-from megatron_rl_patches.apps.bench.shared_prefix import ALL_SHAPES as SHARED_PREFIX_SHAPES
+from megatron_rl_patches.apps.bench.shared_prefix_shapes import ALL_SHAPES as SHARED_PREFIX_SHAPES
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
 from megatron_rl_patches.settings import ascii_int
 
@@ -40,7 +40,7 @@ BENCHMARKS = {
     "hidden-dtypes": "megatron_rl_patches.apps.bench.hidden_dtypes",
     "context": "megatron_rl_patches.apps.bench.context_pass",
     "self-teacher": "megatron_rl_patches.apps.bench.live_teacher",
-    "shared-prefix": "megatron_rl_patches.apps.bench.shared_prefix",
+    "shared-prefix": "megatron_rl_patches.apps.bench.shared_prefix_shapes",
     "grouping": "megatron_rl_patches.apps.bench.grouping",
 }
 # Left out of `bench all --quick` (make test runs it): a spawned world's start-up alone takes half

@@ -132,11 +132,13 @@ def test_the_model_shapes_measure_each_against_the_same_model_unshared(tmp_path,
 
 
 def test_an_unknown_shape_is_refused_naming_every_shape():
-    from megatron_rl_patches.apps.bench import shared_prefix, shared_prefix_models
+    from megatron_rl_patches.apps.bench import shared_prefix, shared_prefix_models, shared_prefix_shapes
+    from megatron_rl_patches.apps.cli.bench import BENCHMARKS
 
-    # the CLI's choices (shared_prefix.ALL_SHAPES) are the shapes the two modules run
-    assert set(shared_prefix.ALL_SHAPES) == {*shared_prefix.SHAPES, *shared_prefix_models.SHAPES, "all"}
+    # the CLI's choices (shared_prefix_shapes.ALL_SHAPES) are the shapes the two modules run, through one door
+    assert set(shared_prefix_shapes.ALL_SHAPES) == {*shared_prefix.SHAPES, *shared_prefix_models.SHAPES, "all"}
+    assert BENCHMARKS["shared-prefix"] == shared_prefix_shapes.__name__
 
     with pytest.raises(ValueError, match="got 'tree'") as refused:
-        shared_prefix.run(quick=True, shape="tree")
-    assert all(shape in str(refused.value) for shape in shared_prefix.ALL_SHAPES)
+        shared_prefix_shapes.run(quick=True, shape="tree")
+    assert all(shape in str(refused.value) for shape in shared_prefix_shapes.ALL_SHAPES)
