@@ -41,7 +41,7 @@ def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, ru
 
     from kit.shared_prefix import objective, ordinary
     from megatron_rl_patches import log_probs_and_entropy
-    from megatron_rl_patches.shared_prefix import check_shared_prefix, prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.shared_prefix import shared_prefix_params
     from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
     from megatron_rl_patches.testing.cp_layout import local_rows
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
@@ -74,13 +74,8 @@ def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, ru
     out = {}
     with megatron_on_cpu(tensor_parallel=tensor_parallel, context_parallel=2):
         tp, cp = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
-        model = build_packed_gpt(seq_length=512, seed=4, config=tiny_gpt_config(context_parallel_size=2, **settings),
-                                 context_parallel_layout="zigzag")
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(weights[name])
-        check_shared_prefix([model], training=True)
-        prepare_shared_prefix(model)
+        model = planned_with(build_packed_gpt(seq_length=512, seed=4, context_parallel_layout="zigzag",
+                                              config=tiny_gpt_config(context_parallel_size=2, **settings)), weights)
         for layout, index in runs:
             batch = batches[index]
             rows, log_probs, entropy, loss = rank_step(model, batch, layout, index, tensor_parallel, tp)
@@ -136,7 +131,6 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
     from kit.moe_statistics import read_statistics, reset_statistics
     from kit.shared_prefix import objective, ordinary
     from megatron_rl_patches import log_probs_and_entropy
-    from megatron_rl_patches.shared_prefix import check_shared_prefix, prepare_shared_prefix
     from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
@@ -184,12 +178,7 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
         ranks = torch.distributed.get_process_group_ranks
         experts_over_cp = (parallel.get("expert_parallel", 1) > 1
                            and ranks(parallel_state.get_expert_model_parallel_group()) == ranks(cp))
-        model = build(2)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(weights[name])
-        check_shared_prefix([model], training=True)
-        prepare_shared_prefix(model)
+        model = planned_with(build(2), weights)
         for layout, index in runs:
             batch = batches[index]
             before = reset_statistics(model) if statistics else None
@@ -322,3 +311,16 @@ def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp):
     loss = (weights_of_rows[0, rows] * log_probs).sum() + (weights_of_rows[1, rows] * entropy).sum()
     loss.backward()
     return rows, log_probs, entropy, loss
+
+
+def planned_with(model, weights: dict):
+    """`model` holding `weights` (the CP = 1 model's, by name), checked and prepared for a sharing plan."""
+    import torch
+
+    from megatron_rl_patches.shared_prefix import check_shared_prefix, prepare_shared_prefix
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    check_shared_prefix([model], training=True)
+    return prepare_shared_prefix(model)

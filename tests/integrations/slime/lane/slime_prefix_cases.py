@@ -70,3 +70,20 @@ def step_and_more(rank: int, world_size: int, cases: dict[str, dict[str, Any]], 
         call = {**world, **keywords, "flags": (*world.get("flags", ()), *keywords.get("flags", ()))}
         result[name] = slime_ranks.opd_train_actor(**call)
     return result
+
+
+def close(got, want, tol: float = 1e-6) -> bool:
+    """`got` equals `want` (nested lists, tuples and dicts of tensors, floats and other values): integer
+    tensors exactly, float tensors and floats within `tol` of their scale (max |diff| / max(1, max |want|))."""
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(close(g, w, tol) for g, w in zip(got, want))
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(close(got[k], want[k], tol) for k in want)
+    if isinstance(want, torch.Tensor):
+        if want.dtype in (torch.int64, torch.int32, torch.bool):
+            return torch.equal(got, want)
+        scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+        return got.shape == want.shape and (got.numel() == 0 or float((got - want).abs().max()) <= tol * scale)
+    if isinstance(want, float):
+        return abs(got - want) <= tol * max(1.0, abs(want))
+    return got == want

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from slime_prefix_cases import close  # the lane's helpers (its directory is on the path)
 
 pytestmark = pytest.mark.slime
 TOL, GRAD_TOL = 2e-6, 5e-5
@@ -95,20 +96,6 @@ def actor_runs(tmp_path_factory):
             for on in (False, True)}
 
 
-def _close(got, want, tol: float = TOL) -> bool:
-    if isinstance(want, (list, tuple)):
-        return len(got) == len(want) and all(_close(g, w, tol) for g, w in zip(got, want))
-    if isinstance(want, dict):
-        return got.keys() == want.keys() and all(_close(got[k], want[k], tol) for k in want)
-    if isinstance(want, torch.Tensor):
-        if want.dtype in (torch.int64, torch.int32, torch.bool):
-            return torch.equal(got, want)
-        return got.shape == want.shape and (got.numel() == 0 or _relative(got, want) <= tol)
-    if isinstance(want, float):
-        return abs(got - want) <= tol * max(1.0, abs(want))
-    return got == want
-
-
 def _worst(got, want) -> float:
     """The largest difference relative to its scale (for the assertion's message)."""
     if isinstance(want, dict):
@@ -124,7 +111,7 @@ def test_train_actor_on_slimes_qwen3_5_hybrid_equals_the_setting_off(slime_cpu, 
     off, on = actor_runs[False], actor_runs[True]
     for plain, planned in zip(off, on):
         for field in ("losses", "old_log_probs", "ref_log_probs", "ids", "teacher_logprobs"):
-            assert _close(planned[field], plain[field]), f"{field}: {_worst(planned[field], plain[field])}"
-        assert _close(planned["updated"], plain["updated"]), "weights after the last step"
+            assert close(planned[field], plain[field], TOL), f"{field}: {_worst(planned[field], plain[field])}"
+        assert close(planned["updated"], plain["updated"], TOL), "weights after the last step"
         assert plain["prefix_passes"] == [] and len(planned["prefix_passes"]) >= 4
         assert sum(planned["embedded"]) < sum(plain["embedded"])

@@ -15,7 +15,12 @@ import sys
 
 import pytest
 import torch
-from slime_prefix_cases import PROMPTS, RESPONSES, grpo_rollouts  # the lane's helpers (its directory is on the path)
+from slime_prefix_cases import (  # the lane's helpers (its directory is on the path)
+    PROMPTS,
+    RESPONSES,
+    close,
+    grpo_rollouts,
+)
 
 from megatron_rl_patches.testing import layouts
 
@@ -66,27 +71,12 @@ def runs(request):
 def _worst(got, want) -> str:
     """Where two results differ most (for the assertion's message)."""
     if isinstance(want, dict):
-        return "; ".join(f"{k}: {_worst(got[k], want[k])}" for k in want if not _close(got[k], want[k]))
+        return "; ".join(f"{k}: {_worst(got[k], want[k])}" for k in want if not close(got[k], want[k]))
     if isinstance(want, (list, tuple)):
-        return "; ".join(f"[{i}] {_worst(g, w)}" for i, (g, w) in enumerate(zip(got, want)) if not _close(g, w))
+        return "; ".join(f"[{i}] {_worst(g, w)}" for i, (g, w) in enumerate(zip(got, want)) if not close(g, w))
     if isinstance(want, torch.Tensor):
         return f"max |diff| {float((got - want).abs().max()):.3g} at scale {float(want.abs().max()):.3g}"
     return f"{got!r} != {want!r}"
-
-
-def _close(got, want, tol: float = TOL) -> bool:
-    if isinstance(want, (list, tuple)):
-        return len(got) == len(want) and all(_close(g, w, tol) for g, w in zip(got, want))
-    if isinstance(want, dict):
-        return got.keys() == want.keys() and all(_close(got[k], want[k], tol) for k in want)
-    if isinstance(want, torch.Tensor):
-        if want.dtype in (torch.int64, torch.int32, torch.bool):
-            return torch.equal(got, want)
-        scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-        return got.shape == want.shape and (got.numel() == 0 or float((got - want).abs().max()) <= tol * scale)
-    if isinstance(want, float):
-        return abs(got - want) <= tol * max(1.0, abs(want))
-    return got == want
 
 
 def test_the_setting_changes_no_number_of_the_step(slime_cpu, runs):
@@ -94,7 +84,7 @@ def test_the_setting_changes_no_number_of_the_step(slime_cpu, runs):
     for plain, planned in zip(off, on):
         for field in ("losses", "old_log_probs", "ref_log_probs", "updated", "ids", "teacher_logprobs"):
             tol = TEACHER_TOL if field == "teacher_logprobs" else TOL
-            assert _close(planned[field], plain[field], tol), f"{field}: {_worst(planned[field], plain[field])}"
+            assert close(planned[field], plain[field], tol), f"{field}: {_worst(planned[field], plain[field])}"
         assert plain["old_log_probs"] is not None and plain["ref_log_probs"] is not None
 
 
@@ -147,7 +137,7 @@ def test_at_context_parallelism_the_setting_changes_no_number_and_each_pass_comp
     for plain, planned in zip(off, on):  # rank by rank: each its own rows
         for field in ("losses", "old_log_probs", "ref_log_probs", "updated", "ids", "teacher_logprobs"):
             tol = SNAPSHOT_TOL if field in ("teacher_logprobs", "ref_log_probs") else TOL
-            assert _close(planned[field], plain[field], tol), f"{field}: {_worst(planned[field], plain[field])}"
+            assert close(planned[field], plain[field], tol), f"{field}: {_worst(planned[field], plain[field])}"
         assert plain["old_log_probs"] is not None and plain["ref_log_probs"] is not None
         assert plain["prefix_passes"] == [] and len(planned["prefix_passes"]) >= 4
         named = {what for what, _ in planned["prefix_passes"]}
@@ -242,7 +232,7 @@ def _same_step(off: list[dict], on: list[dict], fields: tuple[str, ...]) -> None
     `SNAPSHOT_SCALE`) equal within TOL."""
     for plain, planned in zip(off, on):
         for field in fields:
-            assert _close(planned[field], plain[field]), f"{field}: {_worst(planned[field], plain[field])}"
+            assert close(planned[field], plain[field]), f"{field}: {_worst(planned[field], plain[field])}"
         assert plain["old_log_probs"] is not None and plain["ref_log_probs"] is not None
 
 
