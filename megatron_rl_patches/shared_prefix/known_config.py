@@ -85,7 +85,8 @@ MODULES = per_token("it chooses a layer's classes: a module the plan does not kn
 WITHOUT_CP = per_token("how the core attention exchanges keys across context-parallel ranks: the plan's attention "
                        "replaces it (it gathers them)")
 WITHOUT_MLA = per_token("only with multi_latent_attention, which is refused")
-WITHOUT_VARIANT = per_token("the widths of a gated delta net (per token) or DSA's, refused with its variant")
+WITHOUT_VARIANT = per_token("the widths of a gated delta net or of DSA's indexer, its top-k and its per-token scoring "
+                            "(exact under the plan's rule; top-k ties broken by stream order, as in any packing)")
 WITHOUT_MTP = per_token("only with mtp_num_layers, which is refused")
 WITHOUT_WINDOW = per_token("which layers take window_size: read per layer by the package's attention")
 WITHOUT_DROPPING = per_token("only with moe_expert_capacity_factor, which is refused")
@@ -146,6 +147,13 @@ def _statistics(s: Settings) -> bool:
     return not recomputed & {"moe", "mlp"}
 UNTESTED = "the plan has not been tested with it; leave it at its default or do not share this model's prefixes"
 
+
+def _dsa(exact: str, test: Callable[[Any], bool], what: str, why: str) -> Known:
+    """A DSA setting: inert without DSA; with it, `test`."""
+    return checked(exact, lambda value, s, training: s.get("experimental_attention_variant") != "dsa" or test(value),
+                   what=what, why=why)
+
+
 FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
     "context_parallel_size": checked(
@@ -185,11 +193,29 @@ FIELDS: dict[str, Known] = {
         what="a sliding window that sees later tokens",
         why="a causal model's window looks back only; set window_size=(w, 0) or None"),
     "experimental_attention_variant": checked(
-        "None; 'gated_delta_net' at PP = 1 (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP)",
-        lambda value, s, training: value is None or (value == "gated_delta_net" and _one(s, "pipeline")),
-        what="an experimental attention variant (DSA; gated delta nets under pipeline parallelism)",
-        why="DSA's indexer reads cu_seqlens itself, and gated delta nets are tested on one pipeline stage; do not "
-            "share this model's prefixes"),
+        "None; 'gated_delta_net' at PP = 1 (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP); "
+        "'dsa' at CP = 1 (megatron-core 0.19's DSA on its torch path: tested at 1 rank and TP = 2)",
+        lambda value, s, training: value is None or (value == "gated_delta_net" and _one(s, "pipeline")) or (
+            value == "dsa" and int(s.get("context_parallel_size") or 1) == 1),
+        what="an experimental attention variant (gated delta nets under pipeline parallelism, DSA under context "
+             "parallelism)",
+        why="gated delta nets are tested on one pipeline stage, and DSA's key gather and masks at context parallelism "
+            "follow megatron-core's own layouts, not the plan's share; run them at PP = 1 and CP = 1 or do not share "
+            "this model's prefixes"),
+    "dsa_indexer_loss_coeff": checked(
+        "None or 0 in training; any in forward-only passes",
+        lambda value, s, training: not training or _zero(value) or s.get("experimental_attention_variant") != "dsa",
+        what="DSA's indexer loss in training",
+        why="megatron-core averages the indexer's KL over the stream's query rows, where a shared prefix row would "
+            "count once instead of once per sample that holds it; set dsa_indexer_loss_coeff=0 (or train the indexer "
+            "without a sharing plan)"),
+    "dsa_kernel_backend": _dsa("'none'", lambda value: (value or "none") == "none", "DSA's fused kernels",
+                               "they take one contiguous key range per query, and a planned row sees its ancestors' "
+                               "rows and its own; set dsa_kernel_backend='none'"),
+    "dsa_indexer_topk_freq": _dsa("1", lambda value: int(value or 1) == 1, "DSA's top-k shared across layers",
+                                  UNTESTED),
+    "dsa_indexer_rope_interleaved": _dsa("False", lambda value: not value, "DSA's indexer with interleaved RoPE",
+                                         UNTESTED),
     "fused_single_qkv_rope": only(False, what="megatron-core's fused qkv RoPE",
                                   why="it takes no packed input; set fused_single_qkv_rope=False"),
     "qk_clip": only(False, what="QK-clip",
@@ -327,11 +353,11 @@ _GROUPS: dict[Known, str] = {
     WITHOUT_MLA: """q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type rotary_base
         rotary_percent rotary_scaling_factor original_max_position_embeddings beta_fast beta_slow mscale
         mscale_all_dim mla_down_proj_fusion""",
-    WITHOUT_VARIANT: """dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_loss_coeff
-        dsa_indexer_use_sparse_loss linear_attention_freq linear_conv_kernel_dim linear_key_head_dim
-        linear_value_head_dim linear_num_key_heads linear_num_value_heads dsa_indexer_topk_freq
-        dsa_indexer_skip_topk_offset dsa_kernel_backend dsa_indexer_rope_interleaved dsa_indexer_rotate_activation
-        dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32""",
+    WITHOUT_VARIANT: """dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk linear_attention_freq
+        linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
+        dsa_indexer_rotate_activation dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32""",
+    per_token("only with DSA's indexer loss or top-k sharing, which are refused"): """dsa_indexer_use_sparse_loss
+        dsa_indexer_skip_topk_offset""",
     WITHOUT_MTP: "mtp_standalone mtp_use_repeated_layer mtp_detach_heads mtp_hybrid_override_pattern",
     per_token("only with use_mup, which is refused"): """mup_width_mult mup_base_hidden_size mup_embedding_mult
         mup_output_mult mup_base_head_dim mup_attn_scale_power""",

@@ -19,8 +19,8 @@ queries, keys and values (narrower than the keys) then reach the plan's core att
 gathers keys and values over the ranks (`context_parallel`).
 
 Refused by name under a plan: the fused MLA RoPE (`apply_rope_fusion`: its kernel takes each
-token's position from cu_seqlens), interleaved rotary halves, and DSA's sparse attention (its
-indexer reads cu_seqlens itself)."""
+token's position from cu_seqlens), interleaved rotary halves, and what of DSA's sparse attention
+`sparse_attention.refusal` refuses."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
@@ -65,7 +65,11 @@ def prepare_latent_attention(attention: Any) -> None:
 def refusal(config: Any) -> str | None:
     """What of this MLA config a plan cannot run, or None."""
     if getattr(config, "experimental_attention_variant", None) == "dsa":
-        return "DSA sparse attention (its indexer reads cu_seqlens itself)"
+        from megatron_rl_patches.shared_prefix.sparse_attention import refusal as sparse_refusal  # lazy: it imports mla
+
+        refused = sparse_refusal(config, training=False)  # the indexer loss: refused by the DSA core, which knows
+        if refused is not None:
+            return refused
     if getattr(config, "apply_rope_fusion", False):
         return "multi-latent attention with apply_rope_fusion (the fused kernel takes positions from cu_seqlens)"
     if getattr(config, "rotary_interleaved", False):

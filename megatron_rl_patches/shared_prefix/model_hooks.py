@@ -59,6 +59,7 @@ from megatron_rl_patches.shared_prefix.slime_gated_delta_net import (
     is_slime_gated_delta_net,
     prepare_slime_gated_delta_net,
 )
+from megatron_rl_patches.shared_prefix.sparse_attention import is_sparse_attention, prepare_sparse_attention
 
 FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
 INSTALLED = "_megatron_rl_patches_shared_prefix"  # the mark on a prepared module
@@ -125,7 +126,9 @@ def prepare_shared_prefix(model: Any) -> Any:
         elif is_attention(module):
             module.register_forward_pre_hook(rotary_at_positions, with_kwargs=True)
             core: Any = module.core_attention
-            if not isinstance(core, SharedPrefixCore):
+            if is_sparse_attention(core):  # DSA: megatron-core's own top-k under the plan's rule
+                prepare_sparse_attention(core)
+            elif not isinstance(core, SharedPrefixCore):
                 core.__class__ = shared_prefix_core_class(core.__class__)
             if is_latent_attention(module):
                 prepare_latent_attention(module)

@@ -7,8 +7,10 @@ A plan runs only what it knows to be exact; anything else is refused by name:
 - every module whose forward takes `packed_seq_params` is one the package prepares or knows to pass
   them on unread (`PASSES_ON`: the language models, the transformer block and layer, megatron-core's
   attention) or a core attention the package's attention replaces with the same arithmetic
-  (`CORES`). Anything else reads the packed sequences itself (slime's `HuggingfaceAttention`, a
-  gated delta net, Mamba, GLM-5's DSA indexer) and is refused by its class.
+  (`CORES`), or megatron-core 0.19's DSA core and indexer, which the plan hands its rule
+  (`sparse_attention`). Anything else reads the packed sequences itself (slime's
+  `HuggingfaceAttention`, a gated delta net, Mamba, slime's GLM-5 DSA layer) and is refused by its
+  class.
 The layer kinds differ between pipeline stages, so the reasons are agreed over the group before
 anything else: one rank's reason is every rank's."""
 from __future__ import annotations
@@ -31,6 +33,8 @@ from megatron_rl_patches.shared_prefix.slime_gated_delta_net import (
     is_slime_gated_delta_net,
     slime_gated_delta_net_reason,
 )
+from megatron_rl_patches.shared_prefix.sparse_attention import ATTENTION, is_sparse_attention, is_sparse_indexer
+from megatron_rl_patches.shared_prefix.sparse_attention import module_reason as sparse_attention_reason
 
 PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params on, unread, or the package prepares it
     "megatron.core.models.gpt.gpt_model.GPTModel",
@@ -46,6 +50,7 @@ PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params 
     "megatron.core.transformer.multi_latent_attention.MultiLatentAttention",
     "megatron.core.transformer.multi_token_prediction.MultiTokenPredictionBlock",
     "megatron.core.transformer.multi_token_prediction.MultiTokenPredictionLayer",
+    ATTENTION,  # megatron-core 0.19's MLA for DSA: its rotary length prepared as MLA's (shared_prefix/mla.py)
 }
 CORES = {  # core attentions computing plain causal softmax attention from the config: the package's replaces them
     "megatron.core.transformer.dot_product_attention.DotProductAttention",
@@ -57,6 +62,9 @@ CORES = {  # core attentions computing plain causal softmax attention from the c
 RECURRENT = {"GatedDeltaNet": "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final "
                               "recurrent state)",
              "MambaMixer": "Mamba layers (each remainder would start from the prefix's final state)"}
+SLIME_SPARSE = {"DSAMultiLatentAttention": (
+    "slime's GLM-5 DSA layer (its indexer and sparse MLA are tilelang CUDA kernels taking one contiguous key range "
+    "[start, end) per query from cu_seqlens, where a planned row sees its ancestors' rows and its own)")}
 PACKAGE_GATED_DELTA_NET = "megatron_rl_patches.inference.gated_delta_net.GatedDeltaNetLayer"
 RECURRENT_SERVED = {  # recurrent layers whose forward the package runs planned (shared_prefix/gated_delta_net.py)
     "megatron.core.ssm.gated_delta_net.GatedDeltaNet",  # megatron-core 0.16's; 0.19's gdn.GatedDeltaNet is another
@@ -173,6 +181,13 @@ def module_reason(path: str, module: Any) -> str | None:
     for kind, reason in RECURRENT.items():
         if kind in cls.__name__ and _forward_owner(own) not in RECURRENT_SERVED:
             return f"{reason} ({_qualified(cls)} at {path or 'the model'})"
+    if is_sparse_attention(module):
+        return sparse_attention_reason(module, path or "the model")
+    for kind, reason in SLIME_SPARSE.items():
+        if any(c.__name__ == kind for c in cls.__mro__):
+            return f"{reason} ({_qualified(cls)} at {path or 'the model'})"
+    if is_sparse_indexer(module):  # its core prepares it (refused with the core where it cannot run)
+        return None
     if is_attention(module) and getattr(module, "attention_type", "self") != "self":
         return f"{getattr(module, 'attention_type', '')} attention ({_qualified(cls)} at {path})"
     if not _takes_packed_seq_params(cls):

@@ -72,7 +72,6 @@ def test_an_ordinary_call_after_prepare_is_unchanged_bit_for_bit(megatron_cpu):
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("apply_rope_fusion", True, "apply_rope_fusion"),
     ("rotary_interleaved", True, "rotary_interleaved"),
-    ("experimental_attention_variant", "dsa", "DSA sparse attention"),
 ])
 def test_what_mla_cannot_run_under_a_plan_is_refused_by_name(megatron_cpu, field, value, words):
     batch = grpo_batch(((30, (5, 7)),), (), padding=0)

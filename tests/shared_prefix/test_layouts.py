@@ -3,7 +3,8 @@ for the module), one-level GRPO batches and a multi-turn tree (each turn shared 
 it): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
 (the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
-attention at TP = 2 and PP = 2, MTP at TP = 2, TP = 2 + SP and PP = 2 (its loss per depth too), an MoE model at
+attention at TP = 2 and PP = 2, DSA sparse attention (megatron-core 0.19's) at TP = 2 + SP, MTP at
+TP = 2, TP = 2 + SP and PP = 2 (its loss per depth too), an MoE model at
 EP = 2 (the allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
 rank its own micro-batch; and at TP = 2 + SP with EP = 2: aux, seq and global aux losses, z-loss, the
 counts and the bias, Sinkhorn refused by name), each against the
@@ -119,6 +120,40 @@ def _latent_attention_checks(sequence_parallel: bool) -> dict:
                 for summed in (grads, want_grads):
                     torch.distributed.all_reduce(summed[name], group=tp)
         out["mla"] = (relative_error(got, want), grad_error(grads, want_grads), len(grads))
+    return out
+
+
+def _sparse_attention_checks() -> dict:
+    """DSA (megatron-core 0.19's) at TP = 2 + SP (its absorbed MLA asks SP at TP > 1): the query heads split
+    over the ranks, the indexer's top-k whole on each, every rank's rows gathered for it."""
+    import torch
+    from kit.shared_prefix import objective, ordinary, planned
+    from kit.sparse_gpt import build_dsa_gpt, dsa_runs_on_cpu, tiny_dsa_config
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    out: dict = {}
+    if not dsa_runs_on_cpu():
+        return out
+    with megatron_on_cpu(tensor_parallel=2):
+        tp = parallel_state.get_tensor_model_parallel_group()
+        model = build_dsa_gpt(tiny_dsa_config(tensor_model_parallel_size=2, sequence_parallel=True))
+        batch = _batches()[0]
+        results = []
+        for route in (ordinary, lambda m, b: planned(m, b, pad_to=2)):
+            model.zero_grad(set_to_none=True)
+            log_probs, entropy = _scores(route(model, batch), batch, tp)
+            objective(log_probs, entropy).backward()
+            results.append((log_probs.detach(), entropy.detach(), collect_grads(model)))
+        (want, want_ent, want_grads), (got, ent, grads) = results
+        for name, param in model.named_parameters():  # the indexer learns from its loss only (off here)
+            if getattr(param, "sequence_parallel", False) and name in want_grads:
+                for summed in (grads, want_grads):
+                    torch.distributed.all_reduce(summed[name], group=tp)
+        out["dsa"] = (relative_error(got, want), relative_error(ent, want_ent), grad_error(grads, want_grads),
+                      len(grads))
     return out
 
 
@@ -475,6 +510,7 @@ def _context_parallel_checks() -> dict:
 def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
             "tp2-mla": _latent_attention_checks(False), "tp2-sp-mla": _latent_attention_checks(True),
+            "tp2-sp-dsa": _sparse_attention_checks(),
             "tp2-mtp": _mtp_checks(False), "tp2-sp-mtp": _mtp_checks(True),
             "pp2": _pipeline_checks(), "pp2-mla": _latent_attention_pipeline_checks(),
             "pp2-mtp": _mtp_pipeline_checks(),
@@ -523,6 +559,15 @@ def _latent_attention_exact(world, layout: str) -> None:
     for rank in world:
         lp, grads, named = rank[layout]["mla"]
         assert named > 0 and lp < TOL and grads < GRAD_TOL, (layout, lp, grads)
+
+
+@layouts.mark("tp2", "sp")
+def test_sparse_attention_under_sequence_parallelism_equals_the_packed_path(world):
+    if "dsa" not in world[0]["tp2-sp-dsa"]:
+        pytest.skip("this megatron-core's DSA does not run packed input on CPU (0.16's refuses it)")
+    for rank in world:
+        lp, ent, grads, named = rank["tp2-sp-dsa"]["dsa"]
+        assert named > 0 and lp < TOL and ent < TOL and grads < GRAD_TOL, (lp, ent, grads)
 
 
 @layouts.mark("tp2", "mtp")

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.megatron
 TOL, GRAD_TOL = 1e-6, 2e-6
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_ffn_hidden_size=64,
            moe_aux_loss_coeff=0.0, add_bias_linear=False)
+DSA = dict(experimental_attention_variant="dsa", add_bias_linear=False)
 RECOMPUTED_MOE = {**MOE, "recompute_granularity": "selective", "recompute_modules": ["moe"]}
 
 # field: (a value other than the default, the config it is set on, training) -> refused by name
@@ -33,7 +34,13 @@ REFUSED = {
     "mtp_num_layers": (3, {}, False),
     "softmax_type": ("quadratic", {}, False),
     "window_size": ((8, 4), {}, False),
-    "experimental_attention_variant": ("dsa", {}, False),
+    "experimental_attention_variant": ("gated_delta_net", {"pipeline_model_parallel_size": 2,
+                                                           "variable_seq_lengths": True,
+                                                           "moe_token_dispatcher_type": "alltoall"}, False),
+    "dsa_indexer_loss_coeff": (0.1, DSA, True),
+    "dsa_kernel_backend": ("tilelang", DSA, False),
+    "dsa_indexer_topk_freq": (2, DSA, False),
+    "dsa_indexer_rope_interleaved": (True, DSA, False),
     "fused_single_qkv_rope": (True, {}, False),
     "qk_clip": (True, {}, False),
     "log_max_attention_logit": (True, {}, False),
@@ -70,6 +77,7 @@ ALLOWED = {
     "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),
     "experimental_attention_variant": ("gated_delta_net", {}, True),  # test_planned_gated_delta_net.py
+    "dsa_indexer_loss_coeff": (0.1, DSA, False),  # forward-only passes; "dsa" itself: test_sparse_attention.py
     "multi_latent_attention": (True, {"pipeline_model_parallel_size": 2, "variable_seq_lengths": True,
                                       "moe_token_dispatcher_type": "alltoall"}, True),  # test_layouts.py at PP = 2
     "hidden_dropout": (0.1, {}, False),
@@ -84,6 +92,7 @@ ALLOWED_TOO = {
     "mtp_num_layers": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "variable_seq_lengths": True,
                            "pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
                        True),  # and test_layouts.py: TP = 2, TP = 2 + SP, PP = 2
+    "experimental_attention_variant": ("dsa", DSA, True),  # test_sparse_attention.py
     "moe_router_load_balancing_type": ("sinkhorn", MOE, True),
     "moe_aux_loss_coeff": (0.01, MOE, True),
     "moe_z_loss_coeff": (1e-3, {**MOE, "tensor_model_parallel_size": 2, "sequence_parallel": True}, True),
@@ -313,6 +322,28 @@ def test_a_module_reading_packed_seq_params_itself_is_refused_by_its_class(megat
     message = _refusal(model)
     assert (f"a module the plan does not know ({OwnAttention.__module__}.{OwnAttention.__qualname__} at "
             "decoder.layers.1.self_attention takes packed_seq_params") in message
+
+
+def test_slimes_glm5_sparse_attention_layer_is_refused_by_name(megatron_cpu):
+    """slime's GLM-5 layer (slime_plugins/models/glm5: its tilelang kernels import CUDA-only code, so it
+    cannot be built here; a class of its name stands in) is refused with its reason, not the generic one."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    class DSAMultiLatentAttention(SelfAttention):
+        def forward(self, hidden_states, attention_mask, packed_seq_params=None, **kwargs):
+            raise AssertionError("a refused model never runs")
+
+    class DSAMLASelfAttention(DSAMultiLatentAttention):  # slime's GLM-5 spec builds this subclass
+        pass
+
+    model = build_packed_gpt(seq_length=256)
+    model.decoder.layers[0].self_attention.__class__ = DSAMLASelfAttention
+    message = _refusal(model)
+    assert "slime's GLM-5 DSA layer (its indexer and sparse MLA are tilelang CUDA kernels taking one contiguous" in (
+        message)
+    assert "DSAMLASelfAttention at decoder.layers.0.self_attention" in message and "does not know" not in message
 
 
 def test_a_core_attention_the_package_does_not_know_is_refused_by_its_class(megatron_cpu):
