@@ -20,7 +20,7 @@ gathers keys and values over the ranks (`context_parallel`).
 
 Refused by name under a plan: the fused MLA RoPE (`apply_rope_fusion`: its kernel takes each
 token's position from cu_seqlens), interleaved rotary halves, and what of DSA's sparse attention
-`sparse_attention.refusal` refuses."""
+`sparse_attention_refusal` refuses."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import Any
 from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.shared_prefix.context_parallel import Share, WholeRotaryTable, group_share, taken
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.sparse_attention_refusal import refusal as sparse_refusal
 
 WHOLE_TABLE = WholeRotaryTable()  # one instance: the rotary module's cache keys on its arguments
 
@@ -65,8 +66,6 @@ def prepare_latent_attention(attention: Any) -> None:
 def refusal(config: Any) -> str | None:
     """What of this MLA config a plan cannot run, or None."""
     if getattr(config, "experimental_attention_variant", None) == "dsa":
-        from megatron_rl_patches.shared_prefix.sparse_attention import refusal as sparse_refusal  # lazy: it imports mla
-
         refused = sparse_refusal(config, training=False)  # the indexer loss: refused by the DSA core, which knows
         if refused is not None:
             return refused

@@ -17,19 +17,19 @@ Where top-k scores tie (the ReLU scoring's zeros, `dsa_indexer_scoring_relu`), m
 `torch.topk` picks among the tied keys by their place in the stream: the same samples packed at
 other offsets already differ there, and a plan's stream is one more such packing.
 
-Refused by name under a plan (`refusal`): megatron-core before 0.19 (its DSAttention refuses packed
-input: `assert packed_seq_params is None` in `DSAIndexer.forward_with_scores`), the fused kernels
-(`dsa_kernel_backend` other than 'none': they take one contiguous key range per query), the indexer
-loss in training (`dsa_indexer_loss_coeff` > 0: megatron-core averages its KL over the stream's query
-rows, so a shared prefix row would count once instead of once per sample that holds it), top-k shared
-across layers (`dsa_indexer_topk_freq` > 1, not tested), the indexer's interleaved RoPE, context
-parallelism (its key gather and masks follow megatron-core's own layouts, not the plan's share) and
-float64 (megatron-core's masked path builds a float32 mask and asserts it matches the scores' dtype)."""
+Refused by name under a plan (`sparse_attention_refusal`): megatron-core before 0.19 (its
+DSAttention refuses packed input: `assert packed_seq_params is None` in
+`DSAIndexer.forward_with_scores`), the fused kernels (`dsa_kernel_backend` other than 'none': they
+take one contiguous key range per query), the indexer loss in training (`dsa_indexer_loss_coeff` >
+0: megatron-core averages its KL over the stream's query rows, so a shared prefix row would count
+once instead of once per sample that holds it), top-k shared across layers (`dsa_indexer_topk_freq`
+> 1, not tested), the indexer's interleaved RoPE, context parallelism (its key gather and masks
+follow megatron-core's own layouts, not the plan's share) and float64 (megatron-core's masked path
+builds a float32 mask and asserts it matches the scores' dtype)."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.shared_prefix.attention_rule import dense
 from megatron_rl_patches.shared_prefix.mla import PlannedLength, planned_rotary_class
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.sparse_attention_refusal import megatron_core_before_0_19, refusal
 
 CORE = "megatron.core.transformer.experimental_attention_variant.dsa.DSAttention"
 INDEXER = "megatron.core.transformer.experimental_attention_variant.dsa.DSAIndexer"
@@ -63,46 +64,14 @@ def is_sparse_indexer(module: Any) -> bool:
     return _owner(type(module), INDEXER) is not None
 
 
-@functools.cache
-def _megatron_core_before_0_19() -> str | None:
-    from megatron.core.package_info import __version__
-
-    found = re.match(r"(\d+)\.(\d+)", str(__version__))
-    return str(__version__) if found and (int(found[1]), int(found[2])) < (0, 19) else None
-
-
 def module_reason(module: Any, path: str) -> str | None:
     """Why a model holding this DSA core (at `path`) cannot run a plan on this megatron-core, or None."""
-    old = _megatron_core_before_0_19()
+    old = megatron_core_before_0_19()
     if old is None:
         return None
     return (f"DSA sparse attention on megatron-core {old} ({_qualified(type(module))} at {path}): its DSAttention "
             "refuses packed input (DSAIndexer.forward_with_scores asserts packed_seq_params is None); the plan runs "
             "megatron-core 0.19's; upgrade megatron-core or do not share this model's prefixes")
-
-
-def refusal(config: Any, training: bool) -> str | None:
-    """What of this DSA config a plan cannot run (`training`: with gradients), or None."""
-    if getattr(config, "experimental_attention_variant", None) != "dsa":
-        return None
-    if _megatron_core_before_0_19():
-        return (f"DSA sparse attention on megatron-core {_megatron_core_before_0_19()} (its DSAttention refuses packed "
-                "input)")
-    if int(getattr(config, "context_parallel_size", 1) or 1) > 1:
-        return "DSA sparse attention at context parallelism (not cut by the plan's share)"
-    if (getattr(config, "dsa_kernel_backend", "none") or "none") != "none":
-        return f"DSA's fused kernels (dsa_kernel_backend={config.dsa_kernel_backend!r})"
-    if int(getattr(config, "dsa_indexer_topk_freq", 1) or 1) != 1:
-        return "DSA's top-k shared across layers (dsa_indexer_topk_freq > 1)"
-    if getattr(config, "dsa_indexer_rope_interleaved", False):
-        return "DSA's indexer with interleaved RoPE (dsa_indexer_rope_interleaved)"
-    if getattr(config, "params_dtype", None) == torch.float64:
-        return ("DSA sparse attention in float64 (megatron-core's masked DSA path adds a float32 mask to the indexer's "
-                "float64 scores, and asserts they match)")
-    if training and float(getattr(config, "dsa_indexer_loss_coeff", 0.0) or 0.0) > 0:
-        return ("DSA's indexer loss in training (dsa_indexer_loss_coeff > 0: averaged over the stream's rows, a shared "
-                "row would count once instead of once per sample)")
-    return None
 
 
 def prepare_sparse_attention(core: Any) -> None:
