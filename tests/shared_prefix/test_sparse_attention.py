@@ -1,7 +1,8 @@
 """DeepSeek sparse attention (megatron-core 0.19's DSA: GLM-5's and DeepSeek-V3.2's indexer, top-k
 and sparse attention inside its absorbed MLA) under a shared-prefix plan against the same samples
 packed whole (`thd`): each query's top 4 keys among those it may see, its indexer's rotary part at
-each token's own position; log-probs and entropy within 1e-6 and every gradient within 2e-6 (float32).
+each token's own position, its scoring plain and with ReLU (GLM-5's); log-probs and entropy within
+1e-6 and every gradient within 2e-6 (float32).
 What the plan cannot run of DSA is refused by name; on megatron-core before 0.19 DSA is refused whole
 (its DSAttention refuses packed input)."""
 from __future__ import annotations
@@ -41,6 +42,11 @@ def test_sparse_attention_equals_the_packed_path(dsa):
     assert grad_error(got[2], want[2]) < GRAD_TOL
     assert all(isinstance(layer.self_attention.core_attention, PlannedSparseAttention)
                for layer in model.decoder.layers)
+
+    # GLM-5's scoring (ReLU on each head's score): 8 indexer heads, so no two keys tie at a query's k-th score
+    relu = build_dsa_gpt(tiny_dsa_config(relu=True, dsa_indexer_n_heads=8))
+    want_relu, got_relu = _run(relu, batch, ordinary), _run(relu, batch, planned)
+    assert relative_error(got_relu[0], want_relu[0]) < TOL and grad_error(got_relu[2], want_relu[2]) < GRAD_TOL
 
     # negative control: the core run on the stream's own causal rule (not the plan's) misses
     core = model.decoder.layers[0].self_attention.core_attention
