@@ -33,10 +33,12 @@ def _run(model, batch, route):
 
 
 def test_sparse_attention_equals_the_packed_path(dsa):
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
     from megatron_rl_patches.shared_prefix.sparse_attention import PlannedSparseAttention
 
     batch = grpo_batch(**BATCH)
     model = build_dsa_gpt(tiny_dsa_config())
+    check_shared_prefix(model, training=True)  # each door's check: the DSA layer's classes are known
     want, got = _run(model, batch, ordinary), _run(model, batch, planned)
     assert relative_error(got[0], want[0]) < TOL and relative_error(got[1], want[1]) < TOL
     assert grad_error(got[2], want[2]) < GRAD_TOL
