@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kit.moe_statistics import STATISTICS, constant_padding, read_statistics, reset_statistics
-from kit.mtp_gpt import build_mtp_gpt, mtp_pass, mtp_takes_packed_input
+from kit.mtp_gpt import build_mtp_gpt, distinct_mtp_rows, layer_rows, mtp_pass, mtp_takes_packed_input
 from kit.shared_prefix import grpo_batch, ordinary, planned
 
 from megatron_rl_patches.testing import layouts
@@ -28,24 +28,6 @@ def _mtp_with_packing(megatron_cpu):
 TOL = 1e-6
 GRAD_TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
 CASES = [(1, torch.float32), (2, torch.float32), (1, torch.float64)]
-
-
-def _layer_rows(model) -> tuple[list[int], list]:
-    """The rows each MTP depth's transformer layer computes in a pass (filled as it runs), its hooks."""
-    seen: list[int] = []
-    hooks = [layer.transformer_layer.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(int(kwargs["hidden_states"].shape[0])), with_kwargs=True)
-        for layer in model.mtp.layers]
-    return seen, hooks
-
-
-def _distinct_rows(batch, depth: int) -> int:
-    """The rows depth `depth` computes once each: per row t of a sample, its tokens 0..t + depth (rows
-    of samples agreeing there are one); a row past its sample's end by then is its own; the padding
-    packed as one sequence of its own."""
-    ahead = {tuple(s[:t + depth + 1]) for s in batch.sequences for t in range(len(s) - depth)}
-    own = sum(min(depth, len(s)) for s in batch.sequences)
-    return len(ahead) + own + batch.tokens.size(1) - sum(batch.lengths)
 
 
 def _agree(got: dict, want: dict, dtype=torch.float32) -> None:
@@ -65,12 +47,12 @@ def test_mtp_equals_the_packed_path(megatron_cpu, depth, dtype):
     model = build_mtp_gpt(tiny_gpt_config(mtp_num_layers=depth, num_query_groups=2, params_dtype=dtype,
                                           pipeline_dtype=dtype))
     want = mtp_pass(model, batch, ordinary)
-    seen, hooks = _layer_rows(model)
+    seen, hooks = layer_rows(model)
     got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
     for hook in hooks:
         hook.remove()
     _agree(got, want, dtype)
-    expected = [_distinct_rows(batch, d) for d in range(1, depth + 1)]
+    expected = [distinct_mtp_rows(batch, d) for d in range(1, depth + 1)]
     assert seen == expected and all(rows < batch.tokens.size(1) for rows in expected), (seen, expected)
 
 
@@ -124,13 +106,13 @@ def test_a_deepseek_shaped_model_mla_moe_expert_bias_mtp(megatron_cpu, moe_route
     runs = []
     for route in (ordinary, lambda m, b, **kw: planned(m, b, pad_to=4, **kw)):
         bias_before = reset_statistics(model)
-        seen, hooks = _layer_rows(model)
+        seen, hooks = layer_rows(model)
         runs.append({**mtp_pass(model, batch, route), **read_statistics(model, bias_before), "rows": seen})
         for hook in hooks:
             hook.remove()
     want, got = runs
     _agree(got, want)
-    assert want["rows"] == [batch.tokens.size(1)] and got["rows"] == [_distinct_rows(batch, 1)] < want["rows"]
+    assert want["rows"] == [batch.tokens.size(1)] and got["rows"] == [distinct_mtp_rows(batch, 1)] < want["rows"]
     assert len(want["counts"]) == 3  # two decoder layers and the MTP layer
     assert all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"]))
     assert all(torch.equal(g, w) for g, w in zip(got["bias"], want["bias"]))
