@@ -186,7 +186,12 @@ def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple,
     depth = depths[0]
     hidden = call.get("hidden_states")
     stream = depth_plan(plan, depth, sequence_parallel_ranks(layer.config))
-    call.set("hidden_states", read_rows(hidden, reader(stream, hidden.device), layer.config))
+    rows = read_rows(hidden, reader(stream, hidden.device), layer.config)
+    if hidden._base is not None:
+        # a view (the block's chunk of the decoder's states) handed on as one: a layer that drops a view's
+        # graph (slime's MTP patch: make_viewless_tensor(keep_graph=False)) drops it as on the packed path
+        rows = rows.view_as(rows)
+    call.set("hidden_states", rows)
     call.set("input_ids", rolled_logical(plan, "ids", depth - 1, hidden.device))
     call.set("position_ids", rolled_logical(plan, "positions", depth - 1, hidden.device))
     whole = torch.tensor([0, stream.physical_length], dtype=torch.int32)
