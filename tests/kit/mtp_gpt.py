@@ -55,9 +55,11 @@ def mtp_pass(model: Any, batch: PackedBatch, route: Any, loss_mask: torch.Tensor
 def layer_rows(model: Any) -> tuple[list[int], list]:
     """The rows each MTP depth's transformer layer computes in a pass (filled as it runs), its hooks."""
     seen: list[int] = []
-    hooks = [layer.transformer_layer.register_forward_pre_hook(
+    inner = [getattr(layer, "transformer_layer", None) or layer.mtp_model_layer  # 0.19's name
+             for layer in model.mtp.layers]
+    hooks = [module.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(int(kwargs["hidden_states"].shape[0])), with_kwargs=True)
-        for layer in model.mtp.layers]
+        for module in inner]
     return seen, hooks
 
 
