@@ -180,8 +180,8 @@ FIELDS: dict[str, Known] = {
         "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
         lambda value, s, training: not value or int(value) <= 2,
         what="multi-token prediction at this depth",
-        why="its block runs on each sample's own tokens, tested at depths 1 and 2; run it there or do not share "
-            "this model's prefixes"),
+        why="each depth runs its own stream (the prompt shared one token shorter per depth), tested at depths 1 "
+            "and 2; run it there or do not share this model's prefixes"),
     "softmax_type": only("vanilla", "off-by-one", "learnable", what="this softmax",
                          why="the package's attention adds megatron-core's sink (softmax_offset) for off-by-one and "
                              "learnable sinks only; use one of them or do not share this model's prefixes"),

@@ -20,7 +20,7 @@ already hands down every call (forward, pipeline stages, recompute), never from 
 
 Three kinds of model bring a seam of their own (each in its module): multi-latent attention's own
 rotary table (`mla`), an MoE router's statistics in training (`moe_statistics`: the plan handed to
-the router for the layer's call only) and the MTP block (`mtp`: run on the logical rows).
+the router for the layer's call only) and the MTP block (`mtp`: each depth a stream of its own plan).
 
 Under context parallelism each seam reads its rank's share of the plan (`context_parallel`): the
 ids and positions of its physical rows, its attention against every rank's keys and values, its
@@ -94,7 +94,7 @@ def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto", cp_layout:
     if not isinstance(plan, SharedPrefixPlan):
         raise TypeError(f"shared_prefix_params: plan must be a SharedPrefixPlan, got {type(plan).__name__}")
     whole = torch.tensor([0, plan.physical_length], dtype=torch.int32)
-    # the table also covers the padding as packed (one sequence): an MTP block runs the logical rows
+    # the table also covers the padding as packed (one sequence): an MTP depth's stream runs it so
     longest = max(plan.longest, plan.logical_length - plan.stats.logical_tokens)
     cls = params_type()
     # megatron-core 0.16+ hands the rotary embedding this group: the table stays whole under a plan

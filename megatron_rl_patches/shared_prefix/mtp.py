@@ -1,35 +1,54 @@
 """Multi-token prediction (megatron-core's `MultiTokenPredictionBlock`: MiMo's, GLM-4.7-Flash's,
-DeepSeek-V3's) under a shared-prefix plan.
+DeepSeek-V3's) under a shared-prefix plan: each depth computes the rows its samples share once.
 
-The MTP block sees at row t the decoder's state of token t and the embedding of token t + 1 (its
-input ids rolled by one within each sequence), so at a prefix's last row each member's next token
-differs: the prefix shares one token less there, and every later depth one more. The block is one
-layer (or D) against the decoder's N, so it runs on the *logical* rows, as the packed path runs
-it: the decoder's states read at each logical row (what the plan's decoder hook already hands on),
-the ids and positions as packed, and megatron-core's ordinary `thd` params of the micro-batch's
-sequences (each sample from its position 0, then the padding as one sequence). Its loss's labels
-and mask are rolled by the same params: megatron-core rolls them in `GPTModel._postprocess` with
-the call's `packed_seq_params`, so the model module's `roll_tensor` reads a plan's params as the
-logical ones (any other call as before). Exact: the MTP block computes what the packed path
-computes, its gradient into the decoder's states summed back into each shared row; the decoder's
-saving is kept, the MTP layer's tokens are the packed path's."""
+The MTP layer of depth d sees at row t of a sample the state of depth d - 1 at t (the decoder's at
+depth 1) and the embedding of token t + d (megatron-core rolls the ids by one per depth within each
+sequence, the last rows of a sequence reading id 0). So row t holds one value for every sample
+whose tokens 0..t + d agree: at a prefix's last row each member's next token differs, and the
+prefix shares one row less per depth. The depth's stream is a plan of its own (`depth_plan`), built
+from the main plan's physical rows read d rows ahead (a physical row stands for its tokens 0..t,
+so two rows agree d ahead exactly when their samples agree up to t + d); a row whose t + d is past
+its sequence's end is its sample's own. The padding after the samples runs as megatron-core packs
+it (one sequence; its rows chained at their own positions, the last d reading id 0).
+
+Each MTP layer's call then runs the depth's stream (`physical_layer_inputs`, a pre-hook): the
+previous depth's state (held at the logical rows) read at one logical row of each physical row,
+megatron-core's own roll of the logical ids and positions read there too (`roll_tensor` in the MTP
+module answers a plan's params that way), and the depth's plan as the call's `packed_seq_params`,
+so the layer's attention, its rotary table (MLA's too) and an MoE layer's statistics (counted per
+sample, `moe_statistics`) take the depth's segments and positions. Its output is read back at each
+logical row (`logical_layer_output`), so the block hands megatron-core's loss the rows it hands it
+today: every depth's loss, its labels and mask rolled per sample (megatron-core rolls them with the
+call's params: the GPT module's `roll_tensor` / `process_mtp_loss` reads a plan's params as the
+logical ones), and every gradient (summed back into each shared row by the reads) are the packed
+path's. Which depth a layer call runs is counted within the block's call (a context variable the
+block's pre-hook sets and a hook that always runs clears), never kept on a module."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
 from typing import Any
 
 import torch
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, plan_shared_prefix, shared_prefix_plan_of
 
 ROLL_MARK = "_megatron_rl_patches_shared_prefix_roll"
+# the depths the block's layers have run in this block call (a one-item list), None outside one
+BLOCK_DEPTH: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "megatron_rl_patches_shared_prefix_mtp_depth", default=None)
 
 
 def is_mtp_block(module: Any) -> bool:
     """megatron-core's MTP block (its layers, each with an embedding roll)."""
     return type(module).__name__ == "MultiTokenPredictionBlock"
+
+
+def is_mtp_layer(module: Any) -> bool:
+    return type(module).__name__ == "MultiTokenPredictionLayer"
 
 
 def logical_positions(plan: SharedPrefixPlan) -> torch.Tensor:
@@ -43,17 +62,24 @@ def logical_positions(plan: SharedPrefixPlan) -> torch.Tensor:
     return plan.cached(("mtp-positions",), build)
 
 
-def logical_params(plan: SharedPrefixPlan) -> Any:
-    """megatron-core's `thd` params of the micro-batch as packed: a sample starts where its position
-    is 0; the rows past the samples are one padding sequence."""
-    def build() -> Any:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
+def logical_bounds(plan: SharedPrefixPlan) -> list[int]:
+    """The micro-batch's sequences as packed: a sample starts where its position is 0; the rows past
+    the samples are one padding sequence."""
+    def build() -> list[int]:
         positions = logical_positions(plan)
         samples_end = plan.stats.logical_tokens
         starts = torch.nonzero(positions[:samples_end] == 0).flatten().tolist()
-        bounds = [*starts, samples_end] + ([plan.logical_length] if plan.logical_length > samples_end else [])
-        cu = torch.tensor(bounds, dtype=torch.int32)
+        return [*starts, samples_end] + ([plan.logical_length] if plan.logical_length > samples_end else [])
+
+    return plan.cached(("mtp-bounds",), build)
+
+
+def logical_params(plan: SharedPrefixPlan) -> Any:
+    """megatron-core's `thd` params of the micro-batch as packed (`logical_bounds`)."""
+    def build() -> Any:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor(logical_bounds(plan), dtype=torch.int32)
         longest = int(cu.diff().max()) if cu.numel() > 1 else 1
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                max_seqlen_kv=longest)
@@ -61,20 +87,126 @@ def logical_params(plan: SharedPrefixPlan) -> Any:
     return plan.cached(("mtp-params",), build)
 
 
+def depth_plan(plan: SharedPrefixPlan, depth: int, pad_to: int = 1) -> SharedPrefixPlan:
+    """The plan of MTP depth `depth`'s stream (its physical rows padded to a multiple of `pad_to`):
+    the same logical rows, a row shared by the samples whose main-stream rows d ahead are one
+    physical row; a row whose d ahead is past its sequence's end its sample's own; the padding
+    sequence a sample of its own."""
+    def build() -> SharedPrefixPlan:
+        bounds = logical_bounds(plan)
+        rows = torch.arange(plan.logical_length)
+        ends = torch.repeat_interleave(torch.tensor(bounds[1:]), torch.tensor(bounds).diff())
+        ahead = rows + depth
+        keys = torch.where(ahead < ends, plan.logical_rows[ahead.clamp(max=max(plan.logical_length - 1, 0))],
+                           plan.physical_length + rows)  # past the end: a key no other row holds
+        return plan_shared_prefix(keys, bounds, pad_to=pad_to)
+
+    return plan.cached(("mtp-depth", depth, pad_to), build)
+
+
+def reader(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
+    """[S]: a logical row of each physical row (0 for the padding no logical row reads)."""
+    def build() -> torch.Tensor:
+        rows = torch.zeros(plan.physical_length, dtype=torch.int64)
+        rows[plan.logical_rows] = torch.arange(plan.logical_length)
+        return rows.to(device)
+
+    return plan.cached(("mtp-reader", str(torch.device(device))), build)
+
+
+def rolled_logical(plan: SharedPrefixPlan, name: str, times: int, device: Any) -> torch.Tensor:
+    """[1, T]: the logical ids ("ids") or positions rolled `times` by megatron-core's own per-sequence roll."""
+    def build() -> torch.Tensor:
+        if times == 0:
+            return (plan.logical_tokens if name == "ids" else logical_positions(plan))[None].to(device)
+        from megatron.core.transformer import multi_token_prediction
+
+        earlier = rolled_logical(plan, name, times - 1, device)
+        params = logical_params(plan)
+        return multi_token_prediction.roll_tensor(earlier, shifts=-1, dims=-1, packed_seq_params=params)[0]
+
+    return plan.cached(("mtp-rolled", name, times, str(torch.device(device))), build)
+
+
+def sequence_parallel_ranks(config: Any) -> int:
+    if not getattr(config, "sequence_parallel", False):
+        return 1
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def read_rows(hidden: torch.Tensor, rows: torch.Tensor, config: Any) -> torch.Tensor:
+    """`hidden` ([n, b, h], under sequence parallelism each rank's share) read at `rows` of the whole,
+    the result split the same way (every rank reads the whole: its gradient is the whole, kept split)."""
+    ranks = sequence_parallel_ranks(config)
+    if ranks == 1:
+        return hidden.index_select(0, rows.to(hidden.device))
+    from megatron.core import tensor_parallel
+
+    if rows.numel() % ranks:
+        raise ValueError(f"shared prefix: under sequence parallelism the MTP block's {rows.numel()} rows must split "
+                         f"evenly over the {ranks} tensor-parallel ranks")
+    whole = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    return tensor_parallel.scatter_to_sequence_parallel_region(whole.index_select(0, rows.to(hidden.device)))
+
+
 def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of the MTP block: the packed ids, positions and `thd` params of the plan's
-    micro-batch (the decoder's states arrive at the logical rows already)."""
+    """Forward pre-hook of the MTP block: the packed ids and positions of the plan's micro-batch (the
+    decoder's states arrive at the logical rows already); its layers' depths counted from here."""
     call = ArgumentsByName.of_forward(module, args, kwargs)
     plan = shared_prefix_plan_of(call.get("packed_seq_params"))
+    BLOCK_DEPTH.set(None if plan is None else [0])
     if plan is None:
         return None
     hidden = call.get("hidden_states")
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    call.set("input_ids", plan.on(device, "logical_tokens")[None])
-    call.set("position_ids", plan.cached(("mtp-positions", str(device)),
-                                         lambda: logical_positions(plan).to(device))[None])
-    call.set("packed_seq_params", logical_params(plan))
+    call.set("input_ids", rolled_logical(plan, "ids", 0, device))
+    call.set("position_ids", rolled_logical(plan, "positions", 0, device))
     return call.done()
+
+
+def end_of_block(module: Any, args: tuple, output: Any) -> None:
+    BLOCK_DEPTH.set(None)
+
+
+def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of an MTP layer: its depth's physical rows of the previous depth's state, the
+    logical ids and positions as rolled before this depth, and the depth's plan as the call's params."""
+    call = ArgumentsByName.of_forward(layer, args, kwargs)
+    params = call.get("packed_seq_params")
+    plan = shared_prefix_plan_of(params)
+    if plan is None:
+        return None
+    depths = BLOCK_DEPTH.get()
+    if depths is None:
+        raise ValueError("shared prefix: an MTP layer called under a plan outside its MultiTokenPredictionBlock's "
+                         "call (the block counts each layer's depth)")
+    depths[0] += 1
+    depth = depths[0]
+    hidden = call.get("hidden_states")
+    stream = depth_plan(plan, depth, sequence_parallel_ranks(layer.config))
+    rows = read_rows(hidden, reader(stream, hidden.device), layer.config)
+    if hidden._base is not None:
+        # a view (the block's chunk of the decoder's states) handed on as one: a layer that drops a view's
+        # graph (slime's MTP patch: make_viewless_tensor(keep_graph=False)) drops it as on the packed path
+        rows = rows.view_as(rows)
+    call.set("hidden_states", rows)
+    call.set("input_ids", rolled_logical(plan, "ids", depth - 1, hidden.device))
+    call.set("position_ids", rolled_logical(plan, "positions", depth - 1, hidden.device))
+    whole = torch.tensor([0, stream.physical_length], dtype=torch.int32)
+    call.set("packed_seq_params", dataclasses.replace(params, shared_prefix=stream, cu_seqlens_q=whole,
+                                                      cu_seqlens_kv=whole))
+    return call.done()
+
+
+def logical_layer_output(layer: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """Forward hook of an MTP layer: its state read back at each logical row (what the block hands on)."""
+    stream = shared_prefix_plan_of(ArgumentsByName.of_forward(layer, args, kwargs).get("packed_seq_params"))
+    if stream is None:
+        return None
+    hidden, *rest = output
+    return (read_rows(hidden, stream.on(hidden.device, "logical_rows"), layer.config), *rest)
 
 
 def install_label_roll() -> None:
@@ -105,6 +237,37 @@ def install_label_roll() -> None:
     setattr(gpt_model, name, logical)
 
 
+def install_depth_roll() -> None:
+    """megatron-core's MTP layer rolls the ids and positions it embeds by the call's params: under a
+    depth's plan, the logical ones rolled per sequence, then read at one logical row of each of the
+    depth's physical rows (once per process; other calls unchanged)."""
+    from megatron.core.transformer import multi_token_prediction
+
+    original = multi_token_prediction.roll_tensor
+    if getattr(original, ROLL_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def physical(*args: Any, **kwargs: Any) -> Any:
+        call = ArgumentsByName(original, args, kwargs)
+        stream = shared_prefix_plan_of(call.get("packed_seq_params"))
+        if stream is None:
+            return original(*args, **kwargs)
+        call.set("packed_seq_params", logical_params(stream))
+        args, kwargs = call.done()
+        rolled, _ = original(*args, **kwargs)
+        rows = rolled.index_select(-1, reader(stream, rolled.device))
+        return rows, rows.sum()
+
+    setattr(physical, ROLL_MARK, True)
+    multi_token_prediction.roll_tensor = physical
+
+
 def prepare_mtp_block(block: Any) -> None:
     block.register_forward_pre_hook(logical_mtp_inputs, with_kwargs=True)
+    block.register_forward_hook(end_of_block, always_call=True)
+    for layer in block.layers:
+        layer.register_forward_pre_hook(physical_layer_inputs, with_kwargs=True)
+        layer.register_forward_hook(logical_layer_output, with_kwargs=True)
     install_label_roll()
+    install_depth_roll()

@@ -50,3 +50,24 @@ def mtp_pass(model: Any, batch: PackedBatch, route: Any, loss_mask: torch.Tensor
     tracker = MTPLossLoggingHelper.tracker  # 0.19 names the loss "loss_values"
     return {"loss": losses.detach(), "mtp": tracker.get("values", tracker.get("loss_values")).clone(),
             "grads": collect_grads(model)}
+
+
+def layer_rows(model: Any) -> tuple[list[int], list]:
+    """The rows each MTP depth's transformer layer computes in a pass (filled as it runs), its hooks."""
+    seen: list[int] = []
+    inner = [getattr(layer, "transformer_layer", None) or layer.mtp_model_layer  # 0.19's name
+             for layer in model.mtp.layers]
+    hooks = [module.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(int(kwargs["hidden_states"].shape[0])), with_kwargs=True)
+        for module in inner]
+    return seen, hooks
+
+
+def distinct_mtp_rows(batch: PackedBatch, depth: int, pad_to: int = 1) -> int:
+    """The rows depth `depth` computes once each: per row t of a sample, its tokens 0..t + depth (rows
+    of samples agreeing there are one); a row past its sample's end by then is its own; the padding
+    packed as one sequence of its own; padded to a multiple of `pad_to` (the sequence-parallel ranks)."""
+    ahead = {tuple(s[:t + depth + 1]) for s in batch.sequences for t in range(len(s) - depth)}
+    own = sum(min(depth, len(s)) for s in batch.sequences)
+    rows = len(ahead) + own + batch.tokens.size(1) - sum(batch.lengths)
+    return rows + -rows % pad_to

@@ -4,8 +4,9 @@ it): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's sh
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
 (the plan built by each stage from the micro-batch it reads, forward and backward), multi-latent
 attention at TP = 2 and PP = 2, DSA sparse attention (megatron-core 0.19's) at TP = 2 + SP, MTP at
-TP = 2, TP = 2 + SP and PP = 2 (its loss per depth too), an MoE model at
-EP = 2 (the allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
+TP = 2, TP = 2 + SP and PP = 2 (its loss per depth too, each depth's layer computing the rows its
+samples share once), an MoE model at EP = 2 (the
+allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
 rank its own micro-batch; and at TP = 2 + SP with EP = 2: aux, seq and global aux losses, z-loss, the
 counts and the bias, Sinkhorn refused by name), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
@@ -162,7 +163,7 @@ def _mtp_checks(sequence_parallel: bool) -> dict:
     over the ranks), accepted by the doors on both ranks: the main loss, the MTP loss megatron-core logs
     per depth and every gradient against the packed path."""
     from kit.moe_statistics import constant_padding
-    from kit.mtp_gpt import build_mtp_gpt, mtp_pass, mtp_takes_packed_input
+    from kit.mtp_gpt import build_mtp_gpt, distinct_mtp_rows, layer_rows, mtp_pass, mtp_takes_packed_input
     from kit.shared_prefix import ordinary, planned
 
     from megatron_rl_patches.shared_prefix import check_shared_prefix
@@ -179,11 +180,17 @@ def _mtp_checks(sequence_parallel: bool) -> dict:
         check_shared_prefix([model], training=True)
         batch = constant_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), padding=4)
         want = mtp_pass(model, batch, ordinary)
+        seen, hooks = layer_rows(model)
         got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
+        for hook in hooks:
+            hook.remove()
         _sum_sequence_parallel_grads(model, got["grads"], want["grads"])
+        ranks = 2 if sequence_parallel else 1  # each rank its share of a depth's rows
         out["mtp"] = (relative_error(got["loss"], want["loss"]), relative_error(got["mtp"], want["mtp"]),
                       grad_error(got["grads"], want["grads"]), len(want["mtp"]),
                       sum(".mtp." in f".{name}" for name in want["grads"]))
+        out["rows"] = ([rows * ranks for rows in seen], [distinct_mtp_rows(batch, d + 1, ranks)
+                                                         for d in range(len(seen))], batch.tokens.size(1))
     return out
 
 
@@ -193,7 +200,7 @@ def _mtp_pipeline_checks() -> dict:
     summed over the micro-batches and every gradient against the packed path."""
     import torch
     from kit.moe_statistics import constant_padding
-    from kit.mtp_gpt import build_mtp_gpt, mtp_takes_packed_input
+    from kit.mtp_gpt import build_mtp_gpt, distinct_mtp_rows, layer_rows, mtp_takes_packed_input
     from kit.shared_prefix import ordinary, planned
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -231,13 +238,18 @@ def _mtp_pipeline_checks() -> dict:
         for name, route in (("ordinary", ordinary), ("planned", lambda m, b, **kw: planned(m, b, pad_to=4, **kw))):
             MTPLossLoggingHelper.tracker.clear()
             model.train()
+            seen, hooks = layer_rows(model) if post else ([], [])
             reported = get_forward_backward_func()(
                 forward_step_func=step_of(route), data_iterator=iter(batches), model=[model],
                 num_microbatches=len(batches), seq_length=batches[0].tokens.size(1), micro_batch_size=1,
                 forward_only=False)
             tracker = MTPLossLoggingHelper.tracker  # 0.19 names the loss "loss_values"
             mtp = tracker.get("values", tracker.get("loss_values"))
+            for hook in hooks:
+                hook.remove()
             runs[name] = ([r["loss"] for r in reported], collect_grads(model), mtp.clone() if post else None)
+        if post:  # the last stage: each micro-batch's depth-1 rows
+            out["rows"] = (seen, [distinct_mtp_rows(batch, 1) for batch in batches], batches[0].tokens.size(1))
         (want, want_grads, want_mtp), (got, grads, got_mtp) = runs["ordinary"], runs["planned"]
         out["mtp"] = (max((relative_error(g, w) for g, w in zip(got, want)), default=0.0),
                       relative_error(got_mtp, want_mtp) if post else 0.0, grad_error(grads, want_grads), post,
@@ -588,6 +600,13 @@ def test_mtp_at_pipeline_parallelism_equals_the_packed_path(world):
     assert not first[3] and last[3] and first[4] == 0 and last[4] > 0  # the MTP block on the last stage
     for loss, mtp_loss, grads, *_ in (first, last):
         assert loss < TOL and mtp_loss < TOL and grads < GRAD_TOL, (loss, mtp_loss, grads)
+    _computes_the_depth_rows(world[1]["pp2-mtp"]["rows"])
+
+
+def _computes_the_depth_rows(rows) -> None:
+    """Each depth's MTP layer computed the rows its samples share once, fewer than the packed rows."""
+    seen, expected, packed = rows
+    assert seen == expected and max(expected) < packed, rows
 
 
 def _mtp_exact(world, layout: str, depth: int) -> None:
@@ -597,6 +616,7 @@ def _mtp_exact(world, layout: str, depth: int) -> None:
         loss, mtp_loss, grads, depths, mtp_grads = rank[layout]["mtp"]
         assert depths == depth and mtp_grads > 0, (depths, mtp_grads)
         assert loss < TOL and mtp_loss < TOL and grads < GRAD_TOL, (layout, loss, mtp_loss, grads)
+        _computes_the_depth_rows(rank[layout]["rows"])
 
 
 @layouts.mark("pp2")

@@ -1,16 +1,18 @@
 """Multi-token prediction (megatron-core's MTP block, as MiMo and GLM-4.7-Flash train it) under a
 shared-prefix plan against the same samples packed whole: at each depth the block sees each
-sample's own next tokens (a prefix's last row has G of them), so it runs the logical rows as the
-packed path does; the main loss, the MTP loss megatron-core logs per depth and every gradient
-(the MTP loss's own included) within 1e-6 / 2e-6 (float32) and 1e-12 (float64), at depths 1 and
-2, with a loss mask over random padding; and a DeepSeek-shaped model (multi-latent attention, MoE
-with expert-bias updates and an aux loss, MTP) with its counts and updated bias."""
+sample's own next tokens (a prefix's last row has G of them), so each depth runs a stream of its
+own, the prefix shared one row less per depth (its layer computes exactly the rows whose samples
+agree up to d tokens ahead, counted here independently of the plan, fewer than the packed rows);
+the main loss, the MTP loss megatron-core logs per depth and every gradient (the MTP loss's own
+included) within 1e-6 / 2e-6 (float32) and 1e-12 (float64), at depths 1 and 2, with a loss mask
+over random padding; and a DeepSeek-shaped model (multi-latent attention, MoE with expert-bias
+updates and an aux loss, MTP) with its counts and updated bias."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kit.moe_statistics import STATISTICS, constant_padding, read_statistics, reset_statistics
-from kit.mtp_gpt import build_mtp_gpt, mtp_pass, mtp_takes_packed_input
+from kit.mtp_gpt import build_mtp_gpt, distinct_mtp_rows, layer_rows, mtp_pass, mtp_takes_packed_input
 from kit.shared_prefix import grpo_batch, ordinary, planned
 
 from megatron_rl_patches.testing import layouts
@@ -45,8 +47,13 @@ def test_mtp_equals_the_packed_path(megatron_cpu, depth, dtype):
     model = build_mtp_gpt(tiny_gpt_config(mtp_num_layers=depth, num_query_groups=2, params_dtype=dtype,
                                           pipeline_dtype=dtype))
     want = mtp_pass(model, batch, ordinary)
+    seen, hooks = layer_rows(model)
     got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
+    for hook in hooks:
+        hook.remove()
     _agree(got, want, dtype)
+    expected = [distinct_mtp_rows(batch, d) for d in range(1, depth + 1)]
+    assert seen == expected and all(rows < batch.tokens.size(1) for rows in expected), (seen, expected)
 
 
 def test_a_loss_mask_over_padding_of_any_ids(megatron_cpu):
@@ -62,13 +69,13 @@ def test_a_loss_mask_over_padding_of_any_ids(megatron_cpu):
     _agree(mtp_pass(model, batch, planned, loss_mask=mask), want)
 
 
-def test_the_negative_control_the_physical_stream_in_the_mtp_block_fails_loudly(megatron_cpu, monkeypatch):
-    """Without the MTP hook the block meets the physical ids against the logical states: refused
-    by megatron-core's own shapes, never a silent loss."""
+def test_the_negative_control_the_logical_states_in_a_depth_stream_fail_loudly(megatron_cpu, monkeypatch):
+    """Without the MTP layer's hook the layer meets its depth's physical ids against the logical
+    states: refused by megatron-core's own shapes, never a silent loss."""
     from megatron_rl_patches.shared_prefix import mtp
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
-    monkeypatch.setattr(mtp, "logical_mtp_inputs", lambda *args: None)
+    monkeypatch.setattr(mtp, "physical_layer_inputs", lambda *args: None)
     batch = constant_padding(((30, (5, 9)),), (), padding=0)
     model = build_mtp_gpt(tiny_gpt_config(mtp_num_layers=1))
     with pytest.raises((RuntimeError, ValueError, AssertionError, IndexError)):
@@ -99,9 +106,13 @@ def test_a_deepseek_shaped_model_mla_moe_expert_bias_mtp(megatron_cpu, moe_route
     runs = []
     for route in (ordinary, lambda m, b, **kw: planned(m, b, pad_to=4, **kw)):
         bias_before = reset_statistics(model)
-        runs.append({**mtp_pass(model, batch, route), **read_statistics(model, bias_before)})
+        seen, hooks = layer_rows(model)
+        runs.append({**mtp_pass(model, batch, route), **read_statistics(model, bias_before), "rows": seen})
+        for hook in hooks:
+            hook.remove()
     want, got = runs
     _agree(got, want)
+    assert want["rows"] == [batch.tokens.size(1)] and got["rows"] == [distinct_mtp_rows(batch, 1)] < want["rows"]
     assert len(want["counts"]) == 3  # two decoder layers and the MTP layer
     assert all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"]))
     assert all(torch.equal(g, w) for g, w in zip(got["bias"], want["bias"]))

@@ -9,8 +9,9 @@ model unshared, on three kinds of model slime ships, one GRPO group (P = 1,024, 
 - `deepseek` (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash): multi-latent attention (unfused YaRN RoPE), MoE
   with a sigmoid router, expert bias updated and a sequence aux loss (the router's statistics on in
   training), MTP of depth 1; unshared: the packed path with a plan that shares nothing (each sample
-  attending to itself, the dense row's unshared path); the MTP block runs the logical rows on both
-  routes (`shared_prefix.mtp`), its attention each sample on its own (`per_sample_attention_class`);
+  attending to itself, the dense row's unshared path), the MTP block each depth's stream of its plan
+  (`shared_prefix.mtp`: the prompt shared one row shorter; each sample's own rows on the unshared
+  route; both routes' attention the package's, over each plan);
 - `cp2`: the dense model at context parallelism 2 (2 gloo ranks spawned by the bench, the ids cut
   zigzag per sequence as megatron-core cuts them), against the same unshared at CP = 2; the CPU time
   summed over both ranks, the activations kept by the rank keeping more.
@@ -135,8 +136,8 @@ def hybrid_model(plan: dict) -> Any:
 
 def per_sample_attention_class() -> type:
     """The kit's packed-input core whose plain packed (`thd`) input runs each sequence on its own,
-    causal (torch's SDPA), as Transformer Engine's core runs it on a GPU: the unshared route and the
-    MTP block (which runs the logical rows on both routes) then cost no dense [T, T] mask."""
+    causal (torch's SDPA), as Transformer Engine's core runs it on a GPU: a plain packed call then
+    costs no dense [T, T] mask."""
     import torch
 
     from megatron_rl_patches.testing.packed_gpt import packed_attention_class
