@@ -45,8 +45,8 @@ PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params 
     "megatron.core.ssm.mamba_block.MambaStack",
     "megatron.core.models.hybrid.hybrid_block.HybridStack",
     "megatron.core.transformer.attention.Attention",
-    # prepared by the package: MLA's rotary length (shared_prefix/mla.py), the MTP block on each sample's
-    # own tokens (shared_prefix/mtp.py)
+    # prepared by the package: MLA's rotary length (shared_prefix/mla.py), each MTP depth's layer on its
+    # own plan, the prompt shared one token shorter per depth (shared_prefix/mtp.py)
     "megatron.core.transformer.multi_latent_attention.MultiLatentAttention",
     "megatron.core.transformer.multi_token_prediction.MultiTokenPredictionBlock",
     "megatron.core.transformer.multi_token_prediction.MultiTokenPredictionLayer",
