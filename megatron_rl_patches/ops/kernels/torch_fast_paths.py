@@ -60,8 +60,8 @@ def replace_marked(tile: torch.Tensor, local: torch.Tensor, inside: torch.Tensor
 def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
                      marks: tuple[torch.Tensor, torch.Tensor], u: torch.Tensor, exps: torch.Tensor) -> None:
     """:func:`fold_tile` for one marked column (the target) and no subset, in the buffers `u` and
-    `exps` (x's shape, the stats' dtype). The target's u becomes NEG_FLOOR, so it drops out of
-    the sums (e^u = 0) without a mask."""
+    `exps` (x's shape, the stats' dtype; `u` may be x's own storage: x is read first). The
+    target's u becomes NEG_FLOOR, so it drops out of the sums (e^u = 0) without a mask."""
     dtype = stats.shift.dtype
     s_row = per_row(scale)
     local, inside = marks

@@ -48,19 +48,36 @@ MAX_TILE_ROWS = 1024
 
 
 def accumulate(grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor,
-               w: torch.Tensor, rows: slice, cols: slice) -> None:
-    """grad_h[rows] += dz·w, grad_w[cols] += dzᵀ·h (matmuls in the inputs' dtype)."""
+               w: torch.Tensor, rows: slice, cols: slice, first_h: bool = False, first_w: bool = False) -> None:
+    """grad_h[rows] += dz·w, grad_w[cols] += dzᵀ·h (matmuls in the inputs' dtype); `first_h` /
+    `first_w`: that block is written for the first time (it may hold garbage), so the product is
+    written into it, not added (no zero fill, no read of the old values: the same values)."""
     if h.dtype == dz.dtype:
         if grad_h is not None:
-            grad_h[rows].addmm_(dz, w)
+            _into(grad_h[rows], dz, w, first_h)
         if grad_w is not None:
-            grad_w[cols].addmm_(dz.t(), h)
+            _into(grad_w[cols], dz.t(), h, first_w)
         return
     dz = dz.to(h.dtype)
     if grad_h is not None:
-        grad_h[rows] += torch.matmul(dz, w)
+        _add_or_copy(grad_h[rows], torch.matmul(dz, w), first_h)
     if grad_w is not None:
-        grad_w[cols] += torch.matmul(dz.t(), h)
+        _add_or_copy(grad_w[cols], torch.matmul(dz.t(), h), first_w)
+
+
+def _into(block: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """block = a·b when `first`, else block += a·b (one GEMM either way)."""
+    if first:
+        torch.mm(a, b, out=block)
+    else:
+        block.addmm_(a, b)
+
+
+def _add_or_copy(block: torch.Tensor, value: torch.Tensor, first: bool) -> None:
+    if first:
+        block.copy_(value)
+    else:
+        block += value
 
 def tile_shape(n_rows: int, n_cols: int, device: torch.device, chunk_rows: int | None) -> tuple[int, int]:
     """(rows, cols) of a logits tile: `chunk_rows` rows (or up to MAX_TILE_ROWS), columns to fill the budget."""
@@ -160,19 +177,24 @@ class TorchTiles(Backend):
             return (grad,)
         hidden, weight = source.hidden, source.weight
         assert hidden is not None and weight is not None  # fused
-        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        # each block written first by its first tile's product, not zero-filled and added to (the
+        # weight's gradient is the vocabulary's size); what no tile covers is zeroed
+        grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
+        grad_w = torch.empty(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        _zero_uncovered(grad_h, grad_w, hidden.size(0), source.n_valid)
         for rows, cols, x in tiles(source, dtype):
             f = factors.rows(rows)
             if fast:
-                dz = target_tile_grad(x, cols.start, scale_rows(scale, rows), f, work.get(0, x), work.get(1, x))
+                # dL/dx written over x (the tiles' own buffer, read before: see target_tile_grad)
+                dz = target_tile_grad(x, cols.start, scale_rows(scale, rows), f, x, work.get(1, x))
             elif keep_mask is None:
                 dz = buffered_tile_grad(x, cols.start, scale_rows(scale, rows), f, work.get(0, x), work.get(1, x),
                                         work.get(2, x))
             else:
                 subset = keep_mask[rows, cols] if keep_mask is not None else None
                 dz = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
-            accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
+            accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols, first_h=cols.start == 0,
+                       first_w=rows.start == 0)
         return grad_h, grad_w
 
 
@@ -184,8 +206,19 @@ class TorchTiles(Backend):
         return fold_tiles(run, tiles(source, run.values.dtype), first_id)
 
 
+def _zero_uncovered(grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, n_rows: int, n_valid: int) -> None:
+    """Zero the gradients' parts no tile writes: the weight's padded rows (ids >= vocab_size), and
+    everything when there is no tile (no row, or no valid column)."""
+    empty = n_rows == 0 or n_valid == 0
+    if grad_w is not None:
+        (grad_w if empty else grad_w[n_valid:]).zero_()
+    if grad_h is not None and empty:
+        grad_h.zero_()
+
+
 class _TileBuffers:
-    """`count` reusable tile-sized buffers of one call, each viewed contiguous at a tile's shape."""
+    """Up to `count` reusable tile-sized buffers of one call, each viewed contiguous at a tile's
+    shape; each allocated when first asked for (a path that works in the tile itself needs fewer)."""
 
     def __init__(self, source: Source, dtype: torch.dtype, count: int) -> None:
         first = source.first
@@ -193,10 +226,14 @@ class _TileBuffers:
             rows, cols = tile_shape(source.shape_rows or source.n_rows, source.n_valid, first.device, source.chunk_rows)
         else:
             rows, cols = min(source.n_rows, source.chunk_rows or source.n_rows), source.n_valid
-        self._flat = [torch.empty(max(rows, 1) * max(cols, 1), dtype=dtype, device=first.device) for _ in range(count)]
+        self._numel, self._dtype, self._device = max(rows, 1) * max(cols, 1), dtype, first.device
+        self._flat: list[torch.Tensor | None] = [None] * count
 
     def get(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        return self._flat[index][: like.numel()].view(like.shape)
+        flat = self._flat[index]
+        if flat is None:
+            flat = self._flat[index] = torch.empty(self._numel, dtype=self._dtype, device=self._device)
+        return flat[: like.numel()].view(like.shape)
 
 
 def _target_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
@@ -212,7 +249,8 @@ def _target_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned
         return stats
     for rows, tile_cols, x in tiles(source, dtype):
         marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
-        fold_target_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x), work.get(1, x))
+        # x is the tiles' own buffer: shifted in place (one buffer less, one tile less in cache)
+        fold_target_tile(stats, rows, x, scale_rows(scale, rows), marks, x, work.get(1, x))
     return stats
 
 

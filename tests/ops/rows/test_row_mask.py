@@ -113,10 +113,11 @@ def test_lm_head_ops_selected_rows_and_weight_gradient():
 def test_no_row_selected_gives_zeros():
     h, w, tokens, _, _, _ = _inputs()
     none = torch.zeros(T, dtype=torch.bool)
-    hh = h.clone().requires_grad_(True)
-    lp, ent = lm_head_log_probs_and_entropy(hh, w, tokens, with_entropy=True, row_mask=none)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = lm_head_log_probs_and_entropy(hh, ww, tokens, with_entropy=True, row_mask=none)
     (lp.sum() + ent.sum()).backward()
-    assert bool((lp == 0).all() and (ent == 0).all() and (hh.grad == 0).all())
+    # no tile at all: the weight's gradient (written by tiles, not zero-filled first) is zeroed
+    assert bool((lp == 0).all() and (ent == 0).all() and (hh.grad == 0).all() and (ww.grad == 0).all())
 
 
 @pytest.mark.parametrize("bad, error, words", [
