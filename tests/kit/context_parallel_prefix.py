@@ -290,10 +290,10 @@ def pipeline_exactness(layout: str = "zigzag") -> dict:
             "micro_batches": len(reported)}
 
 
-def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp):
-    """This CP rank's planned step on `batch`: its `layout` share of the ids through `model`, the
-    log-probs and entropy at its sample rows and `objective`'s terms there, backward (summed over the
-    CP ranks: the whole objective). Returns (rows, log_probs, entropy, loss)."""
+def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp, context_parallel: int = 2):
+    """This CP rank's planned step on `batch` (`context_parallel` ranks): its `layout` share of the ids
+    through `model`, the log-probs and entropy at its sample rows and `objective`'s terms there,
+    backward (summed over the CP ranks: the whole objective). Returns (rows, log_probs, entropy, loss)."""
     import torch
     from megatron.core import parallel_state
 
@@ -301,8 +301,9 @@ def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp):
     from megatron_rl_patches.shared_prefix import shared_prefix_params
     from megatron_rl_patches.testing.cp_layout import local_rows
 
-    plan = batch.plan(pad_to=4 * tensor_parallel)
-    mine = local_rows(layout, parallel_state.get_context_parallel_rank(), 2, cu_seqlens=batch.cu_seqlens)
+    plan = batch.plan(pad_to=2 * context_parallel * tensor_parallel)
+    mine = local_rows(layout, parallel_state.get_context_parallel_rank(), context_parallel,
+                      cu_seqlens=batch.cu_seqlens)
     logits = model(batch.tokens[:, mine], None, None, packed_seq_params=shared_prefix_params(plan, cp_layout=layout))
     sample = mine < batch.rows.numel()
     rows = mine[sample]
