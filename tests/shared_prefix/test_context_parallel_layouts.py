@@ -8,7 +8,8 @@ at update rate 0, as slime's MoE scripts run it; and with an aux loss, z-loss an
 updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the token counts over
 the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
 table read at each physical row's position on each rank's share, values narrower than queries and
-keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule. MTP beside context
+keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule; CP = 4 on a dense
+model (zigzag and contiguous ids). MTP beside context
 parallelism is refused by name on all four ranks alike before anything runs, and so are ranks that
 cut their ids in different layouts."""
 from __future__ import annotations
@@ -95,7 +96,8 @@ def _world(rank: int, world_size: int) -> dict:
             "cp2-tp2-sp-ep2-statistics": _moe(True, [("contiguous", 0)], sequence_parallel=True),
             "cp2-mla": _latent_attention(),
             "cp2-pp2": pipeline_exactness(),
-            "cp2-mtp": _mtp_refusal()}
+            "cp2-mtp": _mtp_refusal(),
+            "cp4": context_parallel_exactness(1, False, [("zigzag", 0), ("contiguous", 1)], context_parallel=4)}
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +155,15 @@ def test_context_parallelism_beside_pipeline_stages_equals_the_samples_packed_wh
         checks = rank["cp2-pp2"]
         assert checks["micro_batches"] == (2 if checks["last"] else 0) or not checks["last"]
         assert checks["log_probs"] < TOL and checks["grads"] < GRAD_TOL, checks
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_four_context_parallel_ranks_equal_the_samples_packed_whole(world, layout):
+    """CP = 4 (slime's deepseek-r1, kimi-k2, qwen3-next and qwen3.5 scripts' CP_SIZE): each rank its
+    eighth-chunk pair of the physical stream, against the same samples packed whole at CP = 1."""
+    from kit.context_parallel_prefix import assert_exact
+
+    assert_exact([rank["cp4"] for rank in world], layout)
 
 
 @layouts.mark("cp2-zigzag", "mtp")
