@@ -213,20 +213,26 @@ def planned_at_context_parallelism(rank: int, world_size: int, root: str,
                                    runs: tuple = (("zigzag", 0), ("contiguous", 2)),
                                    dtype: str = "float32") -> dict[str, Any]:
     """Per kind: slime's hybrid under a plan at CP = `world_size` (each rank its `layout` share of the
-    ids of context_parallel_batches()[index], per (layout, index) of `runs`) against the same samples
+    ids of context_parallel_batches()[index], at CP = 4 context_parallel_batches_of_four()'s, per
+    (layout, index) of `runs`) against the same samples
     packed whole at CP = 1 with the same weights: (log-prob error, entropy error, objective error,
     gradient error (summed over the CP ranks), this rank's sample rows, whether the same parameters have
     gradients). The recurrence token by token (slime_fla_cpu.install("token"): float32-stable where the
     plan's chunks start elsewhere than the packed path's)."""
     from types import SimpleNamespace
 
-    from kit.context_parallel_prefix import context_parallel_batches, planned_with, rank_step
+    from kit.context_parallel_prefix import (
+        context_parallel_batches,
+        context_parallel_batches_of_four,
+        planned_with,
+        rank_step,
+    )
     from kit.shared_prefix import ordinary, scores
 
     from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
-    batches = context_parallel_batches()
+    batches = context_parallel_batches_of_four() if world_size == 4 else context_parallel_batches()
 
     def build(kind: str, cp: int) -> Any:
         args = SimpleNamespace(hf_checkpoint=write_hf_config(root, kind), num_experts=None, sequence_parallel=False,

@@ -11,7 +11,8 @@ embedded; the prepared model's ordinary call unchanged bit for bit. At CP = 2 (z
 --allgather-cp contiguous ids; the layer gathers every rank's share of the physical stream, the
 gradient summed back over the ranks) the same against the samples packed whole at CP = 1 (measured
 2.2e-7 and 3.8e-5, its recurrence token by token: the chunked one rounds to 5e-4 of a gradient there,
-its chunks starting elsewhere under the drawn decays). And slime's real `train_actor` on the Qwen3.5
+its chunks starting elsewhere under the drawn decays); at CP = 4 in a world of 4 ranks (measured
+2.2e-7 and 2.1e-5). And slime's real `train_actor` on the Qwen3.5
 hybrid (a reference pass, two snapshot OPD teachers, the old log-prob pass, train() over two
 rollouts) with MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against 0: the losses, the old and reference
 log-probs, the teachers' log-probs and the weights after the last step within 2e-6 of their scale,
@@ -86,6 +87,30 @@ def test_slimes_gated_delta_net_at_context_parallelism_equals_the_samples_packed
     for rank in layer_runs:
         assert set(rank["cp2"]) == want
         for name, (lp, ent, loss, grads, rows, same_parameters) in rank["cp2"].items():
+            assert rows > 0 and same_parameters, name
+            assert lp <= TOL and ent <= TOL and loss <= TOL and grads <= GRAD_TOL, (name, lp, ent, loss, grads)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    _slime_plugins()
+    import slime_gdn_ranks
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    root = str(tmp_path_factory.mktemp("hf"))
+    return run_multirank(slime_gdn_ranks.planned_at_context_parallelism, 4, root,
+                         (("zigzag", 0), ("contiguous", 1)), timeout=400)
+
+
+def test_slimes_gated_delta_net_at_four_context_parallel_ranks_equals_the_samples_packed_whole(slime_cpu,
+                                                                                               four_ranks):
+    """CP = 4 (qwen3-next-80B-A3B's and qwen3.5-27B's scripts' CP_SIZE; a world of its own: the
+    lane has no other 4-rank gated-delta-net world), zigzag and contiguous ids."""
+    want = {f"{kind}/{cut}" for kind in ("qwen3_5", "qwen3_next") for cut in ("zigzag/0", "contiguous/1")}
+    for rank in four_ranks:
+        assert set(rank) == want
+        for name, (lp, ent, loss, grads, rows, same_parameters) in rank.items():
             assert rows > 0 and same_parameters, name
             assert lp <= TOL and ent <= TOL and loss <= TOL and grads <= GRAD_TOL, (name, lp, ent, loss, grads)
 
