@@ -220,10 +220,11 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
     return out
 
 
-def pipeline_exactness(layout: str = "zigzag") -> dict:
+def pipeline_exactness(layout: str = "zigzag", build_stage=None) -> dict:
     """CP = 2 x PP = 2 through megatron-core's schedule (variable_seq_lengths; each stage runs its CP
     rank's share of the physical stream, the last gathers and reads this rank's logical rows) against
-    PP = 2 at CP = 1 with the same weights: the log-probs the last stage reports per micro-batch at
+    PP = 2 at CP = 1 with the same weights (the model: the packed dense GPT, or `build_stage(cp,
+    pre_process, post_process)`'s stage): the log-probs the last stage reports per micro-batch at
     this rank's rows, and every gradient summed over the CP ranks (the schedule scales a CP rank's loss
     by the CP size, so the sum is halved). (log-prob error, gradient error, last stage, micro-batches)."""
     import torch
@@ -245,6 +246,8 @@ def pipeline_exactness(layout: str = "zigzag") -> dict:
 
     def build(cp: int):
         pre, post = stage_flags()
+        if build_stage is not None:
+            return build_stage(cp, pre, post), post
         config = tiny_pipeline_config(2, num_layers=2, variable_seq_lengths=True, context_parallel_size=cp,
                                       num_query_groups=2, moe_token_dispatcher_type="alltoall")
         return build_packed_gpt(seq_length=512, seed=6, config=config, pre_process=pre, post_process=post,
