@@ -134,8 +134,9 @@ def _split_rows(s: Settings) -> bool:
 
 def _context_parallel_served(s: Settings) -> bool:
     """Context parallelism where the plan's cut is tested: a GPTModel's dense or multi-latent attention, MoE
-    (every statistic but Sinkhorn's, read by its own field) and pipeline stages; no MTP block, recurrent
-    layers, windows or sinks."""
+    (every statistic but Sinkhorn's, read by its own field), pipeline stages and slime's gated delta net
+    layers (not a config field: their class, `slime_gated_delta_net`); no MTP block, megatron-core's
+    recurrent layers, windows or sinks."""
     return (not s.get("mtp_num_layers") and not s.get("experimental_attention_variant")
             and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
 
@@ -149,15 +150,16 @@ UNTESTED = "the plan has not been tested with it; leave it at its default or do 
 FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
     "context_parallel_size": checked(
-        "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE and pipeline stages "
-        "(variable_seq_lengths), without MTP, gated delta nets, windows or sinks (tested at CP = 2; CP = 2 x TP = 2 + "
-        "SP; MoE at CP = 2 x EP = 2, its statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; "
-        "CP = 2 x PP = 2)",
+        "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE, pipeline stages "
+        "(variable_seq_lengths) and slime's gated delta net layers, without MTP, megatron-core's gated delta nets, "
+        "windows or sinks (tested at CP = 2 and CP = 4; CP = 2 x TP = 2 + SP; MoE at CP = 2 x EP = 2, its statistics "
+        "too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; CP = 2 x PP = 2, also with MLA and MoE together; "
+        "slime's gated delta nets at CP = 2 and CP = 4)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
-        what="context parallelism beside MTP, a gated delta net, a sliding window or an attention sink",
+        what="context parallelism beside MTP, megatron-core's gated delta net, a sliding window or an attention sink",
         why="the MTP block runs the micro-batch's logical rows through megatron-core's own context-parallel roll and "
-            "attention, which a plan's logical share does not feed; the recurrent layers and the package's windows "
-            "and sinks are not cut over context-parallel ranks (not tested); run these models with "
+            "attention, which a plan's logical share does not feed; megatron-core's recurrent layers and the "
+            "package's windows and sinks are not cut over context-parallel ranks (not tested); run these models with "
             "context_parallel_size=1 or without a sharing plan"),
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,

@@ -157,7 +157,7 @@ def planned_layer_class(cls: Any) -> type:
         params = bound.get("packed_seq_params")
         plan = shared_prefix_plan_of(params)
         held = None if plan is None else module_share(self, plan, params)
-        if held is None:  # no plan, or one context-parallel rank: slime's forward as it is
+        if plan is None or held is None:  # no plan, or one context-parallel rank: slime's forward as it is
             return cls.forward(self, *args, **kwargs)
         return context_parallel_forward(self, bound["hidden_states"], params, plan, *held)
 
