@@ -190,10 +190,11 @@ def grpo_rollouts() -> list[dict]:
 
 
 def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: bool,
-                       flags: tuple[str, ...] = ()) -> dict[str, Any]:
+                       flags: tuple[str, ...] = (), pipeline: int = 1) -> dict[str, Any]:
     """slime's real `train_actor` (slime_ranks.opd_train_actor: a reference pass, two snapshot OPD
     teachers, the old log-prob pass and train() over two rollouts) on the tiny hybrid of `kind` from
-    slime's spec, MEGATRON_RL_PATCHES_SHARED_PREFIX=1 when `on`."""
+    slime's spec, MEGATRON_RL_PATCHES_SHARED_PREFIX=1 when `on`; `pipeline` stages (the rest of the
+    world tensor-parallel)."""
     for path in (HERE, TESTS):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -205,7 +206,8 @@ def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: boo
     slime_fla_cpu.install("token")  # float32-stable under the teacher snapshots' strong decays
     slime_kit.provider_func = hybrid_provider(kind, write_hf_config(root, kind))
     extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts()}
-    return slime_ranks.opd_train_actor(rank, world_size, 1, tensor=world_size, rollouts=2, extra=extra,
+    return slime_ranks.opd_train_actor(rank, world_size, pipeline, tensor=world_size // pipeline, rollouts=2,
+                                       extra=extra,
                                        flags=("--num-layers", str(LAYERS), *flags))
 
 

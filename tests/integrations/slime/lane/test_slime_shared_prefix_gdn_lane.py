@@ -12,7 +12,7 @@ embedded; the prepared model's ordinary call unchanged bit for bit. At CP = 2 (z
 gradient summed back over the ranks) the same against the samples packed whole at CP = 1 (measured
 2.2e-7 and 3.8e-5, its recurrence token by token: the chunked one rounds to 5e-4 of a gradient there,
 its chunks starting elsewhere under the drawn decays); at CP = 4 in a world of 4 ranks (measured
-2.2e-7 and 2.1e-5). And slime's real `train_actor` on the Qwen3.5
+2.2e-7 and 2.1e-5). And slime's real `train_actor` at 1 rank and at PP = 2 on the Qwen3.5
 hybrid (a reference pass, two snapshot OPD teachers, the old log-prob pass, train() over two
 rollouts) with MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against 0: the losses, the old and reference
 log-probs, the teachers' log-probs and the weights after the last step within 2e-6 of their scale,
@@ -118,15 +118,17 @@ def test_slimes_gated_delta_net_at_four_context_parallel_ranks_equals_the_sample
 LINEAR_ADAM = ("--adam-eps", "1.0")  # an update about lr · gradient (as test_slime_shared_prefix_lane.py)
 
 
-@pytest.fixture(scope="module")
-def actor_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "pp2"])
+def actor_runs(request, tmp_path_factory):
     _slime_plugins()
     import slime_gdn_ranks
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
     root = str(tmp_path_factory.mktemp("hf"))
-    return {on: run_multirank(slime_gdn_ranks.hybrid_train_actor, 1, root, "qwen3_5", on, LINEAR_ADAM, timeout=600)
+    stages = request.param
+    return {on: run_multirank(slime_gdn_ranks.hybrid_train_actor, stages, root, "qwen3_5", on, LINEAR_ADAM, stages,
+                              timeout=600)
             for on in (False, True)}
 
 
@@ -142,10 +144,16 @@ def _worst(got, want) -> float:
 
 
 def test_train_actor_on_slimes_qwen3_5_hybrid_equals_the_setting_off(slime_cpu, actor_runs):
+    """At 1 rank and at PP = 2 (slime's layers on both stages: 2 gated delta nets, then 1 and the
+    attention layer); at PP = 2 the reference's log-probs within 5e-6 (measured 2.4e-6: peaked,
+    as test_slime_shared_prefix_lane.py's CP = 2 run allows them), the rest within 2e-6."""
     off, on = actor_runs[False], actor_runs[True]
+    last = off[-1]
+    assert last["ids"] is not None and last["losses"]  # the last stage reports them
     for plain, planned in zip(off, on):
         for field in ("losses", "old_log_probs", "ref_log_probs", "ids", "teacher_logprobs"):
-            assert close(planned[field], plain[field], TOL), f"{field}: {_worst(planned[field], plain[field])}"
+            tol = 5e-6 if field == "ref_log_probs" and len(off) > 1 else TOL
+            assert close(planned[field], plain[field], tol), f"{field}: {_worst(planned[field], plain[field])}"
         assert close(planned["updated"], plain["updated"], TOL), "weights after the last step"
         assert plain["prefix_passes"] == [] and len(planned["prefix_passes"]) >= 4
-        assert sum(planned["embedded"]) < sum(plain["embedded"])
+    assert sum(on[0]["embedded"]) < sum(off[0]["embedded"])  # the first stage embeds
