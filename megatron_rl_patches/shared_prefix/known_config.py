@@ -187,11 +187,10 @@ FIELDS: dict[str, Known] = {
         what="a sliding window that sees later tokens",
         why="a causal model's window looks back only; set window_size=(w, 0) or None"),
     "experimental_attention_variant": checked(
-        "None; 'gated_delta_net' at PP = 1 (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP)",
-        lambda value, s, training: value is None or (value == "gated_delta_net" and _one(s, "pipeline")),
-        what="an experimental attention variant (DSA; gated delta nets under pipeline parallelism)",
-        why="DSA's indexer reads cu_seqlens itself, and gated delta nets are tested on one pipeline stage; do not "
-            "share this model's prefixes"),
+        "None; 'gated_delta_net' (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
+        lambda value, s, training: value in (None, "gated_delta_net"),
+        what="an experimental attention variant (DSA)",
+        why="DSA's indexer reads cu_seqlens itself; do not share this model's prefixes"),
     "fused_single_qkv_rope": only(False, what="megatron-core's fused qkv RoPE",
                                   why="it takes no packed input; set fused_single_qkv_rope=False"),
     "qk_clip": only(False, what="QK-clip",
