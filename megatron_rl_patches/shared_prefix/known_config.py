@@ -135,8 +135,9 @@ def _split_rows(s: Settings) -> bool:
 
 def _context_parallel_served(s: Settings) -> bool:
     """Context parallelism where the plan's cut is tested: a GPTModel's dense or multi-latent attention, MoE
-    (every statistic but Sinkhorn's, read by its own field) and pipeline stages; no MTP block, recurrent
-    layers, windows or sinks."""
+    (every statistic but Sinkhorn's, read by its own field), pipeline stages and slime's gated delta net
+    layers (not a config field: their class, `slime_gated_delta_net`); no MTP block, megatron-core's
+    recurrent layers, windows or sinks."""
     return (not s.get("mtp_num_layers") and not s.get("experimental_attention_variant")
             and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
 
@@ -157,16 +158,18 @@ def _dsa(exact: str, test: Callable[[Any], bool], what: str, why: str) -> Known:
 FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
     "context_parallel_size": checked(
-        "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE and pipeline stages "
-        "(variable_seq_lengths), without MTP, gated delta nets, windows or sinks (tested at CP = 2; CP = 2 x TP = 2 + "
-        "SP; MoE at CP = 2 x EP = 2, its statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; "
-        "CP = 2 x PP = 2)",
+        "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE, pipeline stages "
+        "(variable_seq_lengths) and slime's gated delta net layers, without MTP, megatron-core's gated delta nets, "
+        "windows or sinks (tested at CP = 2 and CP = 4; CP = 2 x TP = 2 + SP; MoE at CP = 2 x EP = 2, its statistics "
+        "too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; CP = 2 x PP = 2, also with MLA and MoE together; "
+        "slime's gated delta nets at CP = 2 and CP = 4)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
-        what="context parallelism beside MTP, a gated delta net, a sliding window or an attention sink",
+        what="context parallelism beside MTP, megatron-core's gated delta net or DSA, a sliding window or an attention "
+             "sink",
         why="the MTP block runs the micro-batch's logical rows through megatron-core's own context-parallel roll and "
-            "attention, which a plan's logical share does not feed; the recurrent layers and the package's windows "
-            "and sinks are not cut over context-parallel ranks (not tested); run these models with "
-            "context_parallel_size=1 or without a sharing plan"),
+            "attention, which a plan's logical share does not feed; megatron-core's recurrent layers, DSA's key "
+            "gather and masks, and the package's windows and sinks are not cut over context-parallel ranks (not "
+            "tested); run these models with context_parallel_size=1 or without a sharing plan"),
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),
@@ -193,14 +196,12 @@ FIELDS: dict[str, Known] = {
         what="a sliding window that sees later tokens",
         why="a causal model's window looks back only; set window_size=(w, 0) or None"),
     "experimental_attention_variant": checked(
-        "None; 'gated_delta_net' at PP = 1 (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP); "
-        "'dsa' at CP = 1 (megatron-core 0.19's DSA on its torch path: tested at 1 rank and TP = 2)",
-        lambda value, s, training: value is None or (value == "gated_delta_net" and _one(s, "pipeline")) or (
-            value == "dsa" and int(s.get("context_parallel_size") or 1) == 1),
-        what="an experimental attention variant (gated delta nets under pipeline parallelism, DSA under context "
-             "parallelism)",
-        why="gated delta nets are tested on one pipeline stage, and DSA's key gather and masks at context parallelism "
-            "follow megatron-core's own layouts, not the plan's share; run them at PP = 1 and CP = 1 or do not share "
+        "None; 'gated_delta_net' (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2); "
+        "'dsa' (megatron-core 0.19's DSA on its torch path: tested at 1 rank and TP = 2 + SP); either at CP = 1 "
+        "(context_parallel_size's check)",
+        lambda value, s, training: value in (None, "gated_delta_net", "dsa"),
+        what="an experimental attention variant the sharing plan does not know",
+        why="only megatron-core's gated delta net and DSA are prepared and tested under a sharing plan; do not share "
             "this model's prefixes"),
     "dsa_indexer_loss_coeff": checked(
         "None or 0 in training; any in forward-only passes",

@@ -14,18 +14,25 @@ as slime wrote it; sequence parallelism gathers and scatters in slime's own forw
 
 The recurrence is the layer's own kernel, called per segment with `initial_state` and
 `output_final_state` (flash-linear-attention's chunked kernel on CUDA; on CPU a torch stand-in
-with the same calling convention, the lane's). Context parallelism (slime's layer all-gathers the
-zigzag rows of each sequence of cu_seqlens, which a plan's stream does not have) and FlashQLA's
-kernel (its initial-state gradient unchecked) are refused by name (`refusals`)."""
+with the same calling convention, the lane's). FlashQLA's kernel (its initial-state gradient
+unchecked) is refused by name (`refusals`).
+
+Under context parallelism slime's own forward gathers each sequence's zigzag rows of cu_seqlens,
+which a plan's stream does not have; the planned layer's forward instead gathers every rank's share
+of the physical stream (`context_parallel.gathered_stream`: the backward sums the gradient over the
+ranks and keeps each rank's own rows, since a rank's rows reach every later row of the recurrence),
+runs the layer over the whole stream on every rank, and keeps this rank's rows of its output."""
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.shared_prefix.context_parallel import Share, gathered_stream, module_share
 from megatron_rl_patches.shared_prefix.gated_delta_net import (
     PlannedGatedDeltaNet,
     Segment,
@@ -34,7 +41,7 @@ from megatron_rl_patches.shared_prefix.gated_delta_net import (
     segment_convolution,
     segment_recurrence,
 )
-from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 # slime's layer classes (qualified names), each with the class of its `linear_attn`
 LAYERS = {"slime_plugins.models.qwen3_5.Attention": "slime_plugins.models.qwen3_5.Qwen3_5GatedDeltaNet",
@@ -53,12 +60,6 @@ def is_slime_gated_delta_net(module: Any) -> bool:
 
 def slime_gated_delta_net_reason(module: Any, path: str) -> str | None:
     """Why a plan cannot run slime's gated-delta-net layer `module` (at `path`), or None."""
-    config = getattr(module, "config", None)
-    cp = int(getattr(config, "context_parallel_size", 1) or 1)
-    if cp > 1:
-        return (f"slime's gated delta net layer ({_qualified(type(module))} at {path}) at context parallelism "
-                f"(context_parallel_size={cp}): slime's HuggingfaceAttention all-gathers each sequence's zigzag rows, "
-                "which a plan's stream does not hold; run it at context_parallel_size=1")
     backend = getattr(getattr(module, "linear_attn", None), "gdn_backend", "fla")
     if backend not in BACKENDS:
         return (f"slime's gated delta net layer ({_qualified(type(module))} at {path}) on --qwen-gdn-backend "
@@ -149,8 +150,42 @@ def planned_layer_class(cls: Any) -> type:
         segments = checked_segments(plan_segments(plan), rows)
         return cls.hf_forward(self, hidden_states, StreamParams(PlannedStream(segments)))
 
+    signature = inspect.signature(cls.forward)
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs).arguments
+        params = bound.get("packed_seq_params")
+        plan = shared_prefix_plan_of(params)
+        held = None if plan is None else module_share(self, plan, params)
+        if plan is None or held is None:  # no plan, or one context-parallel rank: slime's forward as it is
+            return cls.forward(self, *args, **kwargs)
+        return context_parallel_forward(self, bound["hidden_states"], params, plan, *held)
+
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedGatedDeltaNet),
-                {"hf_forward": hf_forward, "__module__": cls.__module__, "__doc__": cls.__doc__})
+                {"forward": forward, "hf_forward": hf_forward, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def context_parallel_forward(layer: Any, hidden_states: torch.Tensor, params: Any, plan: SharedPrefixPlan,
+                             share: Share, group: Any) -> tuple[torch.Tensor, None]:
+    """slime's layer forward ([rows, 1, hidden] of this rank's share -> (out, None)) at context
+    parallelism: the whole physical stream gathered, the layer run over it, this rank's rows kept;
+    under sequence parallelism the tensor-parallel rows gathered and scattered around it as slime does
+    (the layer is duplicated over the tensor-parallel ranks)."""
+    from megatron.core import parallel_state, tensor_parallel  # lazy: optional dependency megatron-core
+
+    sequence_parallel = bool(getattr(layer.args, "sequence_parallel", False))
+    tp = parallel_state.get_tensor_model_parallel_group() if sequence_parallel else None
+    if sequence_parallel:
+        hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=False, group=tp)
+    whole = gathered_stream(hidden_states, plan, share, group)
+    output = layer.hf_forward(whole.permute(1, 0, 2), params).permute(1, 0, 2)
+    device = output.device
+    mine = plan.cached(("cp-physical-on", share.size, share.rank, str(device)), lambda: share.physical.to(device))
+    output = output.index_select(0, mine)
+    if sequence_parallel:
+        output = tensor_parallel.scatter_to_sequence_parallel_region(output, group=tp)
+    return output, None
 
 
 def prepare_slime_gated_delta_net(module: Any) -> None:

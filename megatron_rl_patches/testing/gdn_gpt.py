@@ -85,21 +85,28 @@ def gated_delta_net_block_spec(config: Any) -> Any:
     linear_layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=local.input_layernorm, self_attention=linear, self_attn_bda=local.self_attn_bda,
         pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda))
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     pattern = get_linear_attention_pattern(config)
-    return TransformerBlockSubmodules(layer_specs=[linear_layer if kind else attention_layer for kind in pattern],
+    first = get_transformer_layer_offset(config)  # this pipeline stage's layers
+    stage = pattern[first:first + get_num_layers_to_build(config)]
+    return TransformerBlockSubmodules(layer_specs=[linear_layer if kind else attention_layer for kind in stage],
                                       layer_norm=local.input_layernorm)
 
 
 def build_gated_delta_net_gpt(config: Any = None, vocab_size: int = TINY_VOCAB, seq_length: int = 256,
-                              seed: int = 0) -> Any:
-    """A real GPTModel (RoPE) of `config` (default `tiny_gated_delta_net_config()`); build it inside
+                              seed: int = 0, pre_process: bool = True, post_process: bool = True) -> Any:
+    """A real GPTModel (RoPE) of `config` (default `tiny_gated_delta_net_config()`), this pipeline
+    stage's (`pre_process` / `post_process` as a model provider passes them); build it inside
     `gated_delta_net_on_cpu()`."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = tiny_gated_delta_net_config() if config is None else config
     torch.manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=gated_delta_net_block_spec(config), vocab_size=vocab_size,
-                     max_sequence_length=seq_length, position_embedding_type="rope")
+                     max_sequence_length=seq_length, position_embedding_type="rope", pre_process=pre_process,
+                     post_process=post_process)
     with torch.no_grad():  # a memory of tens of tokens (megatron-core's A in [1, 16] forgets within a few)
         for module in model.modules():
             if hasattr(module, "A_log") and hasattr(module, "conv1d"):

@@ -17,6 +17,15 @@ def context_parallel_batches():
             tree_batch(system=28, turns=((4, 8, 2), (4, 4, 3)), alone=(12,), per_turn=True, padding=4, seed=7)]
 
 
+def context_parallel_batches_of_four():
+    """Micro-batches for CP = 4: every sequence (samples, the padding last) a multiple of 2 * CP = 8
+    rows; a group of four, a sample alone, and two groups."""
+    from kit.shared_prefix import grpo_batch
+
+    return [grpo_batch(((60, (4, 12, 4, 12)),), (8,), padding=8, seed=0),
+            grpo_batch(((33, (7, 15)), (21, (3, 11, 19))), (), padding=8, seed=1)]
+
+
 def context_parallel_served() -> bool:
     """Whether this megatron-core cuts a plan over context-parallel ranks (0.16 and later: its GPTModel
     hands the rotary embedding the plan's `cp_group`); older ones refuse it by name."""
@@ -29,8 +38,9 @@ def context_parallel_served() -> bool:
 
 
 def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, runs,
-                               mixed_layouts: bool = False) -> dict:
-    """The plan at CP = 2 (x `tensor_parallel`) against the same samples packed whole at CP = 1 (the
+                               mixed_layouts: bool = False, context_parallel: int = 2) -> dict:
+    """The plan at CP = `context_parallel` (x `tensor_parallel`; CP = 4: `context_parallel_batches_of_four`,
+    else `context_parallel_batches`) against the same samples packed whole at CP = 1 (the
     same weights): every CP rank builds the plan of the whole micro-batch and passes its own share of
     the ids, cut in each (layout, batch) of `runs`; per run (log-prob error, entropy error, the
     objective summed over the CP ranks against the whole one, the gradients summed over the CP ranks
@@ -49,7 +59,7 @@ def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, ru
 
     if not context_parallel_served():
         return {}
-    batches = context_parallel_batches()
+    batches = context_parallel_batches_of_four() if context_parallel == 4 else context_parallel_batches()
     settings = dict(num_query_groups=2, tensor_model_parallel_size=tensor_parallel,
                     sequence_parallel=sequence_parallel)
 
@@ -72,13 +82,15 @@ def context_parallel_exactness(tensor_parallel: int, sequence_parallel: bool, ru
             loss.backward()
             want[index] = (log_probs.detach(), entropy.detach(), float(loss), norms_summed(model, collect_grads(model)))
     out = {}
-    with megatron_on_cpu(tensor_parallel=tensor_parallel, context_parallel=2):
+    with megatron_on_cpu(tensor_parallel=tensor_parallel, context_parallel=context_parallel):
         tp, cp = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
-        model = planned_with(build_packed_gpt(seq_length=512, seed=4, context_parallel_layout="zigzag",
-                                              config=tiny_gpt_config(context_parallel_size=2, **settings)), weights)
+        config = tiny_gpt_config(context_parallel_size=context_parallel, **settings)
+        model = planned_with(build_packed_gpt(seq_length=512, seed=4, context_parallel_layout="zigzag", config=config),
+                             weights)
         for layout, index in runs:
             batch = batches[index]
-            rows, log_probs, entropy, loss = rank_step(model, batch, layout, index, tensor_parallel, tp)
+            rows, log_probs, entropy, loss = rank_step(model, batch, layout, index, tensor_parallel, tp,
+                                                       context_parallel)
             summed = loss.detach().clone()
             torch.distributed.all_reduce(summed, group=cp)
             want_lp, want_ent, want_loss, want_grads = want[index]
@@ -208,10 +220,11 @@ def beside_exactness(build, parallel: dict, batches: list, runs, statistics: boo
     return out
 
 
-def pipeline_exactness(layout: str = "zigzag") -> dict:
+def pipeline_exactness(layout: str = "zigzag", build_stage=None) -> dict:
     """CP = 2 x PP = 2 through megatron-core's schedule (variable_seq_lengths; each stage runs its CP
     rank's share of the physical stream, the last gathers and reads this rank's logical rows) against
-    PP = 2 at CP = 1 with the same weights: the log-probs the last stage reports per micro-batch at
+    PP = 2 at CP = 1 with the same weights (the model: the packed dense GPT, or `build_stage(cp,
+    pre_process, post_process)`'s stage): the log-probs the last stage reports per micro-batch at
     this rank's rows, and every gradient summed over the CP ranks (the schedule scales a CP rank's loss
     by the CP size, so the sum is halved). (log-prob error, gradient error, last stage, micro-batches)."""
     import torch
@@ -233,6 +246,8 @@ def pipeline_exactness(layout: str = "zigzag") -> dict:
 
     def build(cp: int):
         pre, post = stage_flags()
+        if build_stage is not None:
+            return build_stage(cp, pre, post), post
         config = tiny_pipeline_config(2, num_layers=2, variable_seq_lengths=True, context_parallel_size=cp,
                                       num_query_groups=2, moe_token_dispatcher_type="alltoall")
         return build_packed_gpt(seq_length=512, seed=6, config=config, pre_process=pre, post_process=post,
@@ -290,10 +305,10 @@ def pipeline_exactness(layout: str = "zigzag") -> dict:
             "micro_batches": len(reported)}
 
 
-def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp):
-    """This CP rank's planned step on `batch`: its `layout` share of the ids through `model`, the
-    log-probs and entropy at its sample rows and `objective`'s terms there, backward (summed over the
-    CP ranks: the whole objective). Returns (rows, log_probs, entropy, loss)."""
+def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp, context_parallel: int = 2):
+    """This CP rank's planned step on `batch` (`context_parallel` ranks): its `layout` share of the ids
+    through `model`, the log-probs and entropy at its sample rows and `objective`'s terms there,
+    backward (summed over the CP ranks: the whole objective). Returns (rows, log_probs, entropy, loss)."""
     import torch
     from megatron.core import parallel_state
 
@@ -301,8 +316,9 @@ def rank_step(model, batch, layout: str, index: int, tensor_parallel: int, tp):
     from megatron_rl_patches.shared_prefix import shared_prefix_params
     from megatron_rl_patches.testing.cp_layout import local_rows
 
-    plan = batch.plan(pad_to=4 * tensor_parallel)
-    mine = local_rows(layout, parallel_state.get_context_parallel_rank(), 2, cu_seqlens=batch.cu_seqlens)
+    plan = batch.plan(pad_to=2 * context_parallel * tensor_parallel)
+    mine = local_rows(layout, parallel_state.get_context_parallel_rank(), context_parallel,
+                      cu_seqlens=batch.cu_seqlens)
     logits = model(batch.tokens[:, mine], None, None, packed_seq_params=shared_prefix_params(plan, cp_layout=layout))
     sample = mine < batch.rows.numel()
     rows = mine[sample]

@@ -8,7 +8,9 @@ at update rate 0, as slime's MoE scripts run it; and with an aux loss, z-loss an
 updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the token counts over
 the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
 table read at each physical row's position on each rank's share, values narrower than queries and
-keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule. MTP beside context
+keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule, on a dense model and
+on one with MLA and MoE together (deepseek-r1's and kimi-k2's features); CP = 4 on a dense
+model (zigzag and contiguous ids). MTP beside context
 parallelism is refused by name on all four ranks alike before anything runs, and so are ranks that
 cut their ids in different layouts."""
 from __future__ import annotations
@@ -85,6 +87,30 @@ def _latent_attention() -> dict:
     return beside_exactness(build, {}, context_parallel_batches(), [("zigzag", 2)])
 
 
+def _latent_moe_pipeline() -> dict:
+    """MLA + MoE (expert bias at update rate 0) + PP = 2 + CP = 2 in one model, as slime's deepseek-r1
+    and kimi-k2 scripts run them together."""
+    from kit.context_parallel_prefix import pipeline_exactness
+    from kit.latent_gpt import build_mla_gpt, tiny_mla_config
+
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=64,
+               moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, add_bias_linear=False,
+               moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0, moe_router_score_function="sigmoid")
+
+    def build(cp: int, pre_process: bool, post_process: bool):
+        config = tiny_mla_config(context_parallel_size=cp, pipeline_model_parallel_size=2, batch_p2p_comm=False,
+                                 variable_seq_lengths=True, **moe)
+        return build_mla_gpt(config, context_parallel_layout="zigzag" if cp > 1 else None, pre_process=pre_process,
+                             post_process=post_process)
+
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # the MoE checks before ran their aux losses outside a schedule, leaving a 0-d scale the schedule's
+    # [1] one cannot be copied into (tests/shared_prefix/conftest.py): the schedule makes its own
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    return pipeline_exactness(build_stage=build)
+
+
 def _world(rank: int, world_size: int) -> dict:
     from kit.context_parallel_prefix import context_parallel_exactness, pipeline_exactness
 
@@ -95,7 +121,9 @@ def _world(rank: int, world_size: int) -> dict:
             "cp2-tp2-sp-ep2-statistics": _moe(True, [("contiguous", 0)], sequence_parallel=True),
             "cp2-mla": _latent_attention(),
             "cp2-pp2": pipeline_exactness(),
-            "cp2-mtp": _mtp_refusal()}
+            "cp2-pp2-mla-moe": _latent_moe_pipeline(),
+            "cp2-mtp": _mtp_refusal(),
+            "cp4": context_parallel_exactness(1, False, [("zigzag", 0), ("contiguous", 1)], context_parallel=4)}
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +171,28 @@ def test_multi_latent_attention_beside_context_parallelism_equals_the_samples_pa
 
 
 @layouts.mark("cp2-zigzag", "pp2")
-def test_context_parallelism_beside_pipeline_stages_equals_the_samples_packed_whole(world):
+@pytest.mark.parametrize("model", [
+    "cp2-pp2", pytest.param("cp2-pp2-mla-moe", marks=layouts.mark("moe"))])
+def test_context_parallelism_beside_pipeline_stages_equals_the_samples_packed_whole(world, model):
+    """A dense model, and MLA + MoE (expert bias at rate 0) together in one model."""
     from kit.context_parallel_prefix import GRAD_TOL, TOL
 
-    if not world[0]["cp2-pp2"]:
+    if not world[0][model]:
         pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
-    assert [rank["cp2-pp2"]["last"] for rank in world] == [False, False, True, True]
+    assert [rank[model]["last"] for rank in world] == [False, False, True, True]
     for rank in world:
-        checks = rank["cp2-pp2"]
+        checks = rank[model]
         assert checks["micro_batches"] == (2 if checks["last"] else 0) or not checks["last"]
         assert checks["log_probs"] < TOL and checks["grads"] < GRAD_TOL, checks
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_four_context_parallel_ranks_equal_the_samples_packed_whole(world, layout):
+    """CP = 4 (slime's deepseek-r1, kimi-k2, qwen3-next and qwen3.5 scripts' CP_SIZE): each rank its
+    eighth-chunk pair of the physical stream, against the same samples packed whole at CP = 1."""
+    from kit.context_parallel_prefix import assert_exact
+
+    assert_exact([rank["cp4"] for rank in world], layout)
 
 
 @layouts.mark("cp2-zigzag", "mtp")

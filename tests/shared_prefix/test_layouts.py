@@ -512,6 +512,70 @@ def _gated_delta_net_checks(sequence_parallel: bool) -> dict | None:
                 "rows": (seen[-1], batch.plan(pad_to=2).physical_length)}
 
 
+def _gated_delta_net_pipeline_checks() -> dict | None:
+    """megatron-core's GatedDeltaNet planned at PP = 2 through megatron-core's schedule (layers 1-2 on
+    the first stage, 3 and the attention on the last) against it planned at PP = 1 with the same
+    weights (itself equal to each sample run alone: test_planned_gated_delta_net.py); every gradient
+    by its layer's global number."""
+    from kit.shared_prefix import grpo_batch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.gdn_gpt import (
+        build_gated_delta_net_gpt,
+        gated_delta_net_on_cpu,
+        megatron_gated_delta_net_served,
+        tiny_gated_delta_net_config,
+    )
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+    from megatron_rl_patches.testing.pipeline import stage_flags
+
+    if not megatron_gated_delta_net_served():
+        return None
+    batches = [grpo_batch(((70, (6, 2)), (2, (6, 4))), (12,), padding=4),
+               grpo_batch(((33, (5, 1, 7)),), (9,), padding=2, seed=1)]
+
+    def named(model) -> dict:  # each parameter by its layer's global number
+        out = {}
+        for name, param in model.named_parameters():
+            if name.startswith("decoder.layers."):
+                index, rest = name[len("decoder.layers."):].split(".", 1)
+                name = f"decoder.layers.{model.decoder.layers[int(index)].layer_number - 1}.{rest}"
+            out[name] = param
+        return out
+
+    def run(model, pp: int) -> tuple[list, dict]:
+        reported = get_forward_backward_func()(
+            forward_step_func=_pipeline_step("planned"), data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), seq_length=batches[0].tokens.size(1), micro_batch_size=1,
+            forward_only=False)
+        grads = {name: param.grad.clone() for name, param in named(model).items() if param.grad is not None}
+        collect_grads(model)  # zeroed
+        return [r["log_probs"] for r in reported], grads
+
+    with megatron_on_cpu(), gated_delta_net_on_cpu():
+        config = tiny_gated_delta_net_config(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        model = build_gated_delta_net_gpt(config, seed=4)
+        weights = {name: param.detach().clone() for name, param in named(model).items()}
+        want, want_grads = run(model, 1)
+    with megatron_on_cpu(pipeline_parallel=2), gated_delta_net_on_cpu():
+        import torch
+
+        pre, post = stage_flags()
+        config = tiny_gated_delta_net_config(pipeline_model_parallel_size=2, variable_seq_lengths=True,
+                                             batch_p2p_comm=False, moe_token_dispatcher_type="alltoall")
+        model = build_gated_delta_net_gpt(config, seed=4, pre_process=pre, post_process=post)
+        with torch.no_grad():
+            for name, param in named(model).items():
+                param.copy_(weights[name])
+        check_shared_prefix([model], training=True)
+        got, grads = run(model, 2)
+    return {"log_probs": max((relative_error(g, w) for g, w in zip(got, want)), default=0.0), "last": post,
+            "micro_batches": len(got), "grads": grad_error(grads, {name: want_grads[name] for name in grads}),
+            "linear_layers": sum(".self_attention.A_log" in name for name in grads)}
+
+
 def _context_parallel_checks() -> dict:
     from kit.context_parallel_prefix import context_parallel_batches, context_parallel_exactness
 
@@ -528,7 +592,7 @@ def _world(rank: int, world_size: int) -> dict:
             "pp2-mtp": _mtp_pipeline_checks(),
             "ep2": _expert_parallel_checks(), "tp2-sp-ep2": _sequence_parallel_statistics(),
             "cp2": _context_parallel_checks(), "gdn-tp2": _gated_delta_net_checks(False),
-            "gdn-tp2-sp": _gated_delta_net_checks(True)}
+            "gdn-tp2-sp": _gated_delta_net_checks(True), "gdn-pp2": _gated_delta_net_pipeline_checks()}
 
 
 @pytest.fixture(scope="module")
@@ -626,6 +690,18 @@ def test_the_pipeline_carries_the_plan_through_both_stages(world):
     assert last["pp2"]["log_probs"] < TOL
     for rank in world:
         assert rank["pp2"]["grads"] < GRAD_TOL  # the first stage's gradients came back through the planned p2p
+
+
+@layouts.mark("pp2")
+def test_megatron_cores_gated_delta_net_at_pipeline_parallelism_equals_it_on_one_stage(world):
+    if world[0]["gdn-pp2"] is None:
+        pytest.skip("megatron-core's GatedDeltaNet is not 0.16's megatron.core.ssm.gated_delta_net")
+    first, last = (rank["gdn-pp2"] for rank in world)
+    assert not first["last"] and last["last"] and last["micro_batches"] == 2
+    assert last["log_probs"] < TOL
+    assert (first["linear_layers"], last["linear_layers"]) == (2, 1)  # the stages' own gated delta nets
+    for rank in (first, last):
+        assert rank["grads"] < GRAD_TOL, rank
 
 
 @layouts.mark("pp2")

@@ -34,9 +34,7 @@ REFUSED = {
     "mtp_num_layers": (3, {}, False),
     "softmax_type": ("quadratic", {}, False),
     "window_size": ((8, 4), {}, False),
-    "experimental_attention_variant": ("gated_delta_net", {"pipeline_model_parallel_size": 2,
-                                                           "variable_seq_lengths": True,
-                                                           "moe_token_dispatcher_type": "alltoall"}, False),
+    "experimental_attention_variant": ("linear_attention", {}, False),  # a variant the plan does not know
     "dsa_indexer_loss_coeff": (0.1, DSA, True),
     "dsa_kernel_backend": ("tilelang", DSA, False),
     "dsa_indexer_topk_freq": (2, DSA, False),

@@ -10,7 +10,8 @@ The recurrence is transformers' chunked rule (its prefill path) or, with `instal
 token-by-token one: the chunked rule forms exp(g_i - g_j) from cumulative sums of the log-decays
 over a 64-row chunk, which in float32 rounds to about 1e-5 of a log-prob under decays as strong as
 the lane's teacher snapshots draw (their A_log moved by 0.5 · N(0, 1)), and the plan's chunks start
-elsewhere than the packed path's; token by token, nothing is formed across rows.
+elsewhere than the packed path's; token by token, nothing is formed across rows. A later
+`install` with the other recurrence switches the stand-in's rule (one world runs both).
 
 transformers resolves those functions to fla's when fla is importable at its import, so its module
 is imported first (`install` does), then the stand-in registered."""
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 NAMES = ("fla", "fla.modules", "fla.ops", "fla.ops.gated_delta_rule")
+RECURRENCE: dict[str, Any] = {}  # "rule": the torch rule the stand-in's chunk_gated_delta_rule runs
 
 
 def _sequences(cu_seqlens: Any, rows: int) -> list[tuple[int, int]]:
@@ -34,11 +36,12 @@ def _sequences(cu_seqlens: Any, rows: int) -> list[tuple[int, int]]:
 def install(recurrence: str = "chunk") -> None:
     """Register the stand-in `fla` (idempotent; a real fla already imported is left alone);
     `recurrence`: "chunk" or "token", transformers' torch rule its chunk_gated_delta_rule runs."""
-    if "fla" in sys.modules:
-        return
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-    rule = {"chunk": hf.torch_chunk_gated_delta_rule, "token": hf.torch_recurrent_gated_delta_rule}[recurrence]
+    RECURRENCE["rule"] = {"chunk": hf.torch_chunk_gated_delta_rule,
+                          "token": hf.torch_recurrent_gated_delta_rule}[recurrence]
+    if "fla" in sys.modules:
+        return
 
     class ShortConvolution(torch.nn.Conv1d):
         """fla's depthwise causal convolution ([b, t, d] in and out, then its activation)."""
@@ -77,6 +80,7 @@ def install(recurrence: str = "chunk") -> None:
                                cu_seqlens: Any = None, **_: Any) -> tuple[torch.Tensor, Any]:
         if scale is not None:
             raise NotImplementedError("the lane's chunk_gated_delta_rule scales queries by dk^-1/2 only")
+        rule = RECURRENCE["rule"]
         if cu_seqlens is None:
             return rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                                    output_final_state=output_final_state,

@@ -36,14 +36,18 @@ def write_hf_config(root: str, kind: str) -> str:
     text = {**TEXT, "layer_types": layer_types}
     config = ({"model_type": "qwen3_5", "text_config": {**text, "model_type": "qwen3_5_text"}} if kind == "qwen3_5"
               else {**text, "model_type": "qwen3_next"})
-    with open(os.path.join(path, "config.json"), "w") as f:
+    written = os.path.join(path, f"config.json.{os.getpid()}")  # then renamed: ranks write it at once
+    with open(written, "w") as f:
         json.dump(config, f)
+    os.replace(written, os.path.join(path, "config.json"))
     return path
 
 
 @contextlib.contextmanager
-def gdn_lane_rank(rank: int, world_size: int, tensor: int = 1) -> Iterator[Any]:
-    """The lane's rank setup with transformers real (slime's layer imports it) and fla on CPU."""
+def gdn_lane_rank(rank: int, world_size: int, tensor: int = 1, context: int = 1,
+                  recurrence: str = "chunk") -> Iterator[Any]:
+    """The lane's rank setup with transformers real (slime's layer imports it) and fla on CPU
+    (`recurrence`: slime_fla_cpu.install's)."""
     for path in (HERE, TESTS):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -51,27 +55,31 @@ def gdn_lane_rank(rank: int, world_size: int, tensor: int = 1) -> Iterator[Any]:
     import slime_ranks
     import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401  (before fla's stand-in)
 
-    slime_fla_cpu.install()
-    with slime_ranks.lane_rank(rank, world_size, tensor=tensor) as patch:
+    slime_fla_cpu.install(recurrence)
+    with slime_ranks.lane_rank(rank, world_size, tensor=tensor, context=context) as patch:
         yield patch
 
 
 def slime_spec(kind: str, args: Any, config: Any, vp_stage: Any = None) -> Any:
     """slime's own spec for `kind`, its decoder block megatron-core's local one with the kit's packed
-    core attention (slime asks Transformer Engine's)."""
+    core attention (slime asks Transformer Engine's; at context parallelism the kit's zigzag one)."""
     import importlib
 
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
     from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
     module = importlib.import_module(f"slime_plugins.models.{kind}")
+    core = (packed_attention_class() if config.context_parallel_size == 1
+            else ModuleSpec(module=ContextParallelAttention, params={"layout": "zigzag"}))
 
     def local_block(config: Any, use_transformer_engine: bool = True, **kwargs: Any) -> Any:
         block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, **kwargs)
         block = copy.deepcopy(block)
         for layer in block.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = packed_attention_class()
+            layer.submodules.self_attention.submodules.core_attention = core
         return block
 
     real = module.get_gpt_decoder_block_spec
@@ -123,7 +131,7 @@ def planned_and_packed(rank: int, world_size: int, root: str, sequence_parallel:
                        dtype: str = "float32") -> dict[str, Any]:
     """Per kind: slime's hybrid over GRPO groups packed whole (thd, slime's path) and under the
     shared-prefix plan: the sample rows' log-probs and entropy, every parameter's gradient of one
-    objective, the tokens each embedded, and what check_shared_prefix says at context parallelism."""
+    objective, the tokens each embedded; in a world of 2, also "cp2": `planned_at_context_parallelism`'s."""
     from types import SimpleNamespace
 
     with gdn_lane_rank(rank, world_size, tensor=world_size):
@@ -168,14 +176,10 @@ def planned_and_packed(rank: int, world_size: int, root: str, sequence_parallel:
             # sequence parallelism: these parameters' gradients are each rank's share of their rows
             results["split_rows"] = sorted(name for name, p in model.named_parameters()
                                            if getattr(p, "sequence_parallel", False))
-            config.context_parallel_size = 2  # what a plan says of the same layers at CP = 2
-            try:
-                check_shared_prefix(model, training=True)
-                results["cp2"] = None
-            except ValueError as exc:
-                results["cp2"] = str(exc)
             out[kind] = results
-        return out
+    if world_size == 2:  # the same world again at CP = 2 (TP = 1)
+        out["cp2"] = planned_at_context_parallelism(rank, world_size, root)
+    return out
 
 
 def grpo_rollouts() -> list[dict]:
@@ -186,10 +190,11 @@ def grpo_rollouts() -> list[dict]:
 
 
 def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: bool,
-                       flags: tuple[str, ...] = ()) -> dict[str, Any]:
+                       flags: tuple[str, ...] = (), pipeline: int = 1) -> dict[str, Any]:
     """slime's real `train_actor` (slime_ranks.opd_train_actor: a reference pass, two snapshot OPD
     teachers, the old log-prob pass and train() over two rollouts) on the tiny hybrid of `kind` from
-    slime's spec, MEGATRON_RL_PATCHES_SHARED_PREFIX=1 when `on`."""
+    slime's spec, MEGATRON_RL_PATCHES_SHARED_PREFIX=1 when `on`; `pipeline` stages (the rest of the
+    world tensor-parallel)."""
     for path in (HERE, TESTS):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -201,5 +206,72 @@ def hybrid_train_actor(rank: int, world_size: int, root: str, kind: str, on: boo
     slime_fla_cpu.install("token")  # float32-stable under the teacher snapshots' strong decays
     slime_kit.provider_func = hybrid_provider(kind, write_hf_config(root, kind))
     extra = {"shared_prefix": on, "ref": True, "rollouts": grpo_rollouts()}
-    return slime_ranks.opd_train_actor(rank, world_size, 1, tensor=world_size, rollouts=2, extra=extra,
+    return slime_ranks.opd_train_actor(rank, world_size, pipeline, tensor=world_size // pipeline, rollouts=2,
+                                       extra=extra,
                                        flags=("--num-layers", str(LAYERS), *flags))
+
+
+def planned_at_context_parallelism(rank: int, world_size: int, root: str,
+                                   runs: tuple = (("zigzag", 0), ("contiguous", 2)),
+                                   dtype: str = "float32") -> dict[str, Any]:
+    """Per kind: slime's hybrid under a plan at CP = `world_size` (each rank its `layout` share of the
+    ids of context_parallel_batches()[index], at CP = 4 context_parallel_batches_of_four()'s, per
+    (layout, index) of `runs`) against the same samples
+    packed whole at CP = 1 with the same weights: (log-prob error, entropy error, objective error,
+    gradient error (summed over the CP ranks), this rank's sample rows, whether the same parameters have
+    gradients). The recurrence token by token (slime_fla_cpu.install("token"): float32-stable where the
+    plan's chunks start elsewhere than the packed path's)."""
+    from types import SimpleNamespace
+
+    from kit.context_parallel_prefix import (
+        context_parallel_batches,
+        context_parallel_batches_of_four,
+        planned_with,
+        rank_step,
+    )
+    from kit.shared_prefix import ordinary, scores
+
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+
+    batches = context_parallel_batches_of_four() if world_size == 4 else context_parallel_batches()
+
+    def build(kind: str, cp: int) -> Any:
+        args = SimpleNamespace(hf_checkpoint=write_hf_config(root, kind), num_experts=None, sequence_parallel=False,
+                               padded_vocab_size=VOCAB, max_position_embeddings=256)
+        torch_dtype = getattr(torch, dtype)
+        config = tiny_gpt_config(num_layers=LAYERS, context_parallel_size=cp, params_dtype=torch_dtype,
+                                 pipeline_dtype=torch_dtype)
+        return slime_hybrid(kind, args, config).to(torch_dtype)
+
+    want: dict[tuple[str, int], Any] = {}
+    with gdn_lane_rank(rank, world_size, recurrence="token"):  # CP = 1: every rank the whole micro-batch
+        for kind in KINDS:
+            model = build(kind, 1)
+            want[kind, -1] = {name: p.detach().clone() for name, p in model.named_parameters()}
+            for index in sorted({index for _, index in runs}):
+                batch = batches[index]
+                log_probs, entropy = scores(ordinary(model, batch), batch)
+                weights = torch.randn(2, batch.rows.numel(), generator=torch.Generator().manual_seed(index))
+                loss = (weights[0] * log_probs).sum() + (weights[1] * entropy).sum()  # rank_step's objective
+                loss.backward()
+                want[kind, index] = (log_probs.detach(), entropy.detach(), float(loss), collect_grads(model))
+    out: dict[str, Any] = {}
+    with gdn_lane_rank(rank, world_size, context=world_size, recurrence="token"):
+        from megatron.core import parallel_state
+
+        cp = parallel_state.get_context_parallel_group()
+        for kind in KINDS:
+            model = planned_with(build(kind, world_size), want[kind, -1])
+            for layout, index in runs:
+                rows, log_probs, entropy, loss = rank_step(model, batches[index], layout, index, 1, None,
+                                                           context_parallel=world_size)
+                summed = loss.detach().clone()
+                torch.distributed.all_reduce(summed, group=cp)
+                want_lp, want_ent, want_loss, want_grads = want[kind, index]
+                grads = collect_grads(model, summed_over=cp)
+                out[f"{kind}/{layout}/{index}"] = (
+                    relative_error(log_probs, want_lp[rows]), relative_error(entropy, want_ent[rows]),
+                    abs(float(summed) - want_loss) / max(1.0, abs(want_loss)), grad_error(grads, want_grads),
+                    int(rows.numel()), sorted(grads) == sorted(want_grads))
+    return out
