@@ -275,13 +275,13 @@ def logical_layer_output(layer: Any, args: tuple, kwargs: dict, output: Any) -> 
                       whole_of=lambda local: gathered_stream(local, stream, mine[0], group)), *rest)
 
 
-def logical_share_roll(original: Any, tensor: torch.Tensor, shifts: int, dims: int,
-                       held: LogicalShareRoll) -> tuple[torch.Tensor, torch.Tensor]:
+def logical_share_roll(original: Any, call: ArgumentsByName, held: LogicalShareRoll) -> tuple[torch.Tensor, Any]:
     """megatron-core's per-sequence roll (`original`) of this context-parallel rank's share of the logical
     rows (labels, loss mask; no gradient): every rank's share gathered in logical order, rolled whole
     as at one rank, read back at this rank's rows (what megatron-core's own exchange gives its zigzag
     share, for either layout)."""
     plan, share, group = held.plan, held.share, held.group
+    tensor, shifts, dims = call.get("tensor"), call.get("shifts") or -1, call.get("dims") or -1
     parts = [torch.empty_like(tensor) for _ in range(share.size)]
     torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
     whole = torch.cat(parts, -1).index_select(-1, gathered_logical_order(plan, share, tensor.device))
@@ -310,8 +310,7 @@ def install_label_roll() -> None:
         if plan is not None:
             held = group_share(call.get("cp_group"), plan, params)
             if held is not None and name == "roll_tensor":
-                return logical_share_roll(original, call.get("tensor"), call.get("shifts") or -1, call.get("dims") or -1,
-                                          LogicalShareRoll(plan, *held))
+                return logical_share_roll(original, call, LogicalShareRoll(plan, *held))
             call.set("packed_seq_params", logical_params(plan) if held is None else LogicalShareRoll(plan, *held))
             ids = call.get("input_ids")
             if isinstance(ids, torch.Tensor):
@@ -339,7 +338,7 @@ def install_depth_roll() -> None:
         call = ArgumentsByName(original, args, kwargs)
         params = call.get("packed_seq_params")
         if isinstance(params, LogicalShareRoll):  # megatron-core's loss (0.19) at context parallelism
-            return logical_share_roll(original, call.get("tensor"), call.get("shifts") or -1, call.get("dims") or -1, params)
+            return logical_share_roll(original, call, params)
         stream = shared_prefix_plan_of(params)
         if stream is None:
             return original(*args, **kwargs)

@@ -8,9 +8,10 @@ at update rate 0, as slime's MoE scripts run it; and with an aux loss, z-loss an
 updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the token counts over
 the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
 table read at each physical row's position on each rank's share, values narrower than queries and
-keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule. MTP beside context
-parallelism is refused by name on all four ranks alike before anything runs, and so are ranks that
-cut their ids in different layouts."""
+keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule; a 2-deep MTP block
+at CP = 2 (zigzag and contiguous: each depth's stream cut over the ranks, its loss and gradients).
+Ranks that cut their ids in different layouts are refused by name on all four ranks alike before
+anything runs."""
 from __future__ import annotations
 
 import pytest
@@ -19,23 +20,6 @@ from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
-
-
-def _mtp_refusal() -> str | None:
-    from kit.mtp_gpt import build_mtp_gpt
-
-    from megatron_rl_patches.shared_prefix import check_shared_prefix
-    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
-    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
-
-    with megatron_on_cpu(context_parallel=2):
-        model = build_mtp_gpt(tiny_gpt_config(context_parallel_size=2, mtp_num_layers=1),
-                              layer_spec=cp_layer_spec("zigzag"))
-        try:
-            check_shared_prefix([model], training=True)
-        except ValueError as exc:
-            return str(exc)
-    return None
 
 
 def _moe_batches():
@@ -85,6 +69,12 @@ def _latent_attention() -> dict:
     return beside_exactness(build, {}, context_parallel_batches(), [("zigzag", 2)])
 
 
+def _mtp() -> dict:
+    from kit.mtp_context_parallel import mtp_beside_context_parallelism
+
+    return mtp_beside_context_parallelism([("zigzag", 0), ("contiguous", 1)])
+
+
 def _world(rank: int, world_size: int) -> dict:
     from kit.context_parallel_prefix import context_parallel_exactness, pipeline_exactness
 
@@ -95,7 +85,7 @@ def _world(rank: int, world_size: int) -> dict:
             "cp2-tp2-sp-ep2-statistics": _moe(True, [("contiguous", 0)], sequence_parallel=True),
             "cp2-mla": _latent_attention(),
             "cp2-pp2": pipeline_exactness(),
-            "cp2-mtp": _mtp_refusal()}
+            "cp2-mtp": _mtp()}
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +145,16 @@ def test_context_parallelism_beside_pipeline_stages_equals_the_samples_packed_wh
         assert checks["log_probs"] < TOL and checks["grads"] < GRAD_TOL, checks
 
 
-@layouts.mark("cp2-zigzag", "mtp")
-def test_mtp_beside_context_parallelism_is_refused_alike_on_every_rank(world):
-    reasons = {rank["cp2-mtp"] for rank in world}
-    assert len(reasons) == 1
-    (reason,) = reasons
-    assert reason is not None and "context parallelism beside MTP" in reason and "context_parallel_size=2" in reason
+@layouts.mark("mtp")
+@pytest.mark.parametrize("layout", [pytest.param("zigzag", marks=layouts.mark("cp2-zigzag")),
+                                    pytest.param("contiguous", marks=layouts.mark("cp2-allgather"))])
+def test_mtp_beside_context_parallelism_equals_the_samples_packed_whole(world, layout):
+    """A 2-deep MTP block at CP = 2: each rank's layer runs its share of each depth's stream (the rows
+    counted independently), the main loss, each depth's MTP loss (summed over the ranks, per token)
+    and every gradient (summed over the CP ranks) equal the samples packed whole at CP = 1."""
+    from kit.mtp_context_parallel import assert_mtp_exact
+
+    assert_mtp_exact([rank["cp2-mtp"] for rank in world], layout)
 
 
 
