@@ -262,8 +262,9 @@ def logical_layer_output(layer: Any, args: tuple, kwargs: dict, output: Any) -> 
         return None
     hidden, *rest = output
     main = BLOCK_PARAMS.get()
+    plan = shared_prefix_plan_of(main)
     group = context_parallel_group(layer)
-    held = None if main is None else group_share(group, shared_prefix_plan_of(main), main)
+    held = None if plan is None else group_share(group, plan, main)
     if held is None:
         return (read_rows(hidden, stream.on(hidden.device, "logical_rows"), layer.config), *rest)
     share, _ = held  # the stream over every rank, read at this rank's logical rows (as the caller cut them)
