@@ -135,11 +135,9 @@ def _split_rows(s: Settings) -> bool:
 
 def _context_parallel_served(s: Settings) -> bool:
     """Context parallelism where the plan's cut is tested: a GPTModel's dense or multi-latent attention, MoE
-    (every statistic but Sinkhorn's, read by its own field) and pipeline stages; an MTP block on a dense
-    model (no MLA, MoE or pipeline stages beside it: not tested); no recurrent layers, windows or sinks."""
-    mtp_beside = bool(s.get("mtp_num_layers")) and (bool(s.get("multi_latent_attention"))
-                                                   or bool(s.get("num_moe_experts")) or not _one(s, "pipeline"))
-    return (not mtp_beside and not s.get("experimental_attention_variant")
+    (every statistic but Sinkhorn's, read by its own field), pipeline stages and an MTP block; no recurrent
+    layers, windows or sinks."""
+    return (not s.get("experimental_attention_variant")
             and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
 
 
@@ -160,15 +158,13 @@ FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
     "context_parallel_size": checked(
         "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE and pipeline stages "
-        "(variable_seq_lengths), MTP on a dense one-stage model, without gated delta nets, windows or sinks (tested at "
-        "CP = 2; CP = 2 x TP = 2 + SP; MoE at CP = 2 x EP = 2, its statistics too, and at CP = 2 x TP = 2 + SP x "
-        "EP = 2; MLA at CP = 2; CP = 2 x PP = 2; MTP depth 2 at CP = 2, zigzag and contiguous)",
+        "(variable_seq_lengths) and MTP, without gated delta nets, windows or sinks (tested at CP = 2; CP = 2 x TP = 2 "
+        "+ SP; MoE at CP = 2 x EP = 2, its statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; "
+        "CP = 2 x PP = 2; MTP at CP = 2 (depth 2, zigzag and contiguous; beside MLA and MoE) and CP = 2 x PP = 2)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
-        what="context parallelism beside MTP with multi-latent attention, MoE or pipeline stages, a gated delta net, "
-             "a sliding window or an attention sink",
-        why="the MTP block's depth streams are cut over the context-parallel ranks on a dense one-stage model only "
-            "(beside MLA, MoE or PP not tested); the recurrent layers and the package's windows "
-            "and sinks are not cut over context-parallel ranks (not tested); run these models with "
+        what="context parallelism beside a gated delta net, a sliding window or an attention sink",
+        why="the recurrent layers and the package's windows and sinks are not cut over context-parallel ranks (not "
+            "tested); run these models with "
             "context_parallel_size=1 or without a sharing plan"),
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,

@@ -9,7 +9,9 @@ updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the
 the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
 table read at each physical row's position on each rank's share, values narrower than queries and
 keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule; a 2-deep MTP block
-at CP = 2 (zigzag and contiguous: each depth's stream cut over the ranks, its loss and gradients).
+at CP = 2 (zigzag against megatron-core's own packed path at CP = 2, contiguous against CP = 1: each
+depth's stream cut over the ranks, its loss and gradients), MTP beside MLA and MoE at CP = 2, and MTP at
+CP = 2 x PP = 2 against megatron-core's own packed path through its schedule.
 Ranks that cut their ids in different layouts are refused by name on all four ranks alike before
 anything runs."""
 from __future__ import annotations
@@ -75,6 +77,21 @@ def _mtp() -> dict:
     return mtp_beside_context_parallelism([("zigzag", 0), ("contiguous", 1)])
 
 
+def _latent_moe_mtp() -> dict:
+    from kit.latent_gpt import mla_takes_packed_input
+    from kit.mtp_context_parallel import latent_moe_mtp_gpt, mtp_beside_context_parallelism
+
+    if not mla_takes_packed_input():
+        return {}
+    return mtp_beside_context_parallelism([("zigzag", 0)], latent_moe_mtp_gpt, packed_at_cp2=False)
+
+
+def _pipeline_mtp() -> dict:
+    from kit.mtp_context_parallel import mtp_pipeline_context_parallelism
+
+    return mtp_pipeline_context_parallelism()
+
+
 def _world(rank: int, world_size: int) -> dict:
     from kit.context_parallel_prefix import context_parallel_exactness, pipeline_exactness
 
@@ -85,7 +102,9 @@ def _world(rank: int, world_size: int) -> dict:
             "cp2-tp2-sp-ep2-statistics": _moe(True, [("contiguous", 0)], sequence_parallel=True),
             "cp2-mla": _latent_attention(),
             "cp2-pp2": pipeline_exactness(),
-            "cp2-mtp": _mtp()}
+            "cp2-mtp": _mtp(),
+            "cp2-mla-moe-mtp": _latent_moe_mtp(),
+            "cp2-pp2-mtp": _pipeline_mtp()}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +174,34 @@ def test_mtp_beside_context_parallelism_equals_the_samples_packed_whole(world, l
     from kit.mtp_context_parallel import assert_mtp_exact
 
     assert_mtp_exact([rank["cp2-mtp"] for rank in world], layout)
+
+
+@layouts.mark("mtp", "moe", "cp2-zigzag")
+def test_mtp_beside_latent_attention_and_moe_at_context_parallelism_equals_the_samples_packed_whole(world):
+    """glm4.7-30B-A3B's kind at CP = 2: MLA, MoE with expert bias at update rate 0, one MTP layer mirroring
+    them; against the samples packed whole at CP = 1 (the gradients where megatron-core sums the ranks'
+    per-token MTP losses as they are: before 0.19)."""
+    from kit.mtp_context_parallel import assert_mtp_exact
+
+    assert_mtp_exact([rank["cp2-mla-moe-mtp"] for rank in world], "zigzag")
+
+
+@layouts.mark("mtp", "cp2-zigzag", "pp2")
+def test_mtp_beside_context_parallelism_and_pipeline_stages_equals_megatron_cores_own_path(world):
+    """MTP at CP = 2 x PP = 2 through megatron-core's schedule (the block on the last stage): the plan
+    against megatron-core's own packed path at the same layout and weights, on every rank: the main loss
+    per micro-batch, the MTP loss each rank logs, every gradient summed over the CP ranks, and each
+    micro-batch's MTP layer running this rank's half of the depth's stream."""
+    from kit.mtp_context_parallel import GRAD_TOL, TOL
+
+    if not world[0]["cp2-pp2-mtp"]:
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name (0.13: MTP refuses packed "
+                    "input)")
+    assert [rank["cp2-pp2-mtp"]["last"] for rank in world] == [False, False, True, True]
+    for rank in world:
+        checks = rank["cp2-pp2-mtp"]
+        assert checks["loss"] < TOL and checks["mtp"] < TOL and checks["grads"] < GRAD_TOL, checks
+        assert checks["rows"] == checks["expected"] and checks["micro_batches"] == (2 if checks["last"] else 0)
 
 
 
