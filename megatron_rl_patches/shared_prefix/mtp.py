@@ -22,7 +22,16 @@ today: every depth's loss, its labels and mask rolled per sample (megatron-core 
 call's params: the GPT module's `roll_tensor` / `process_mtp_loss` reads a plan's params as the
 logical ones), and every gradient (summed back into each shared row by the reads) are the packed
 path's. Which depth a layer call runs is counted within the block's call (a context variable the
-block's pre-hook sets and a hook that always runs clears), never kept on a module."""
+block's pre-hook sets and a hook that always runs clears), never kept on a module.
+
+Under context parallelism (`context_parallel`) the block holds this rank's share of the logical rows,
+cut as the caller cut its ids. Each depth's stream is cut over the ranks as the main one (zigzag over
+its physical rows, padded to 2 * CP chunks): the layer's input gathers every rank's logical rows of the
+previous depth and reads them at this rank's physical rows, its attention gathers every rank's keys and
+values as the decoder's does (the depth's plan in its params), and its output gathers every rank's
+physical rows and reads this rank's logical rows. The ids, labels and loss mask are rolled on the
+whole logical rows as at one rank and read at this rank's rows (`logical_share_roll`): what
+megatron-core's own exchange of boundary tokens gives a zigzag share, and a contiguous one too."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
