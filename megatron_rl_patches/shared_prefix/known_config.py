@@ -160,7 +160,8 @@ FIELDS: dict[str, Known] = {
         "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE and pipeline stages "
         "(variable_seq_lengths) and MTP, without gated delta nets, windows or sinks (tested at CP = 2; CP = 2 x TP = 2 "
         "+ SP; MoE at CP = 2 x EP = 2, its statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; "
-        "CP = 2 x PP = 2; MTP at CP = 2 (depth 2, zigzag and contiguous; beside MLA and MoE) and CP = 2 x PP = 2)",
+        "CP = 2 x PP = 2; MTP at CP = 2 x TP = 2 + SP (depth 2, zigzag and contiguous), beside MLA and MoE at CP = 2 "
+        "and at CP = 2 x PP = 2)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
         what="context parallelism beside a gated delta net, a sliding window or an attention sink",
         why="the recurrent layers and the package's windows and sinks are not cut over context-parallel ranks (not "
@@ -176,7 +177,7 @@ FIELDS: dict[str, Known] = {
         why="its rotary table is read at each token's own position only on the unfused, non-interleaved path; set "
             "apply_rope_fusion=False and rotary_interleaved=False"),
     "mtp_num_layers": checked(
-        "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2, CP = 2)",
+        "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2, CP = 2 x TP = 2 + SP, CP = 2 x PP = 2)",
         lambda value, s, training: not value or int(value) <= 2,
         what="multi-token prediction at this depth",
         why="each depth runs its own stream (the prompt shared one token shorter per depth), tested at depths 1 "

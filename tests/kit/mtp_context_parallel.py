@@ -29,14 +29,14 @@ def masked_tokens(batch, depth: int, rows):
     return int((rows + depth < ends[rows]).sum())
 
 
-def dense_mtp_gpt(cp: int):
-    """A dense GPTModel with a 2-deep MTP block at context-parallel size `cp`."""
+def dense_mtp_gpt(cp: int, **settings):
+    """A dense GPTModel with a 2-deep MTP block at context-parallel size `cp` (`settings`: the config's)."""
     from kit.mtp_gpt import build_mtp_gpt
     from megatron_rl_patches.testing.cp_attention import cp_layer_spec
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
     config = tiny_gpt_config(mtp_num_layers=2, num_query_groups=2, calculate_per_token_loss=True,
-                             context_parallel_size=cp)
+                             context_parallel_size=cp, **settings)
     return build_mtp_gpt(config, layer_spec=cp_layer_spec("zigzag") if cp > 1 else None)
 
 
@@ -65,7 +65,8 @@ def per_rank_mtp_scaling() -> bool:
     return process is not None and "original_num_tokens" in inspect.getsource(process)
 
 
-def mtp_beside_context_parallelism(runs, build=dense_mtp_gpt, packed_at_cp2: bool = True) -> dict:
+def mtp_beside_context_parallelism(runs, build=dense_mtp_gpt, packed_at_cp2: bool = True,
+                                   tensor_parallel: int = 1) -> dict:
     """The model `build(cp)` makes (the same weights at CP = 1 and 2) under a plan at CP = 2, each rank
     its `layout` share of the ids and labels, against megatron-core's own packed path: zigzag (with
     `packed_at_cp2`: the kit's CPU context-parallel attention runs the model) against its packed path at
@@ -76,7 +77,8 @@ def mtp_beside_context_parallelism(runs, build=dense_mtp_gpt, packed_at_cp2: boo
     error, the gradient error (summed over the CP ranks; None where megatron-core scales each rank's MTP
     gradient by its own counts), this rank's rows each depth's layer ran, the rows its share of each
     depth's stream holds (counted independently of the plan), this rank's sample rows). Empty where
-    megatron-core does not cut a plan over CP ranks or its MTP refuses packed input."""
+    megatron-core does not cut a plan over CP ranks or its MTP refuses packed input. `tensor_parallel`:
+    the world's TP size (the model's own settings say SP); the norms' gradients summed over it."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -94,19 +96,26 @@ def mtp_beside_context_parallelism(runs, build=dense_mtp_gpt, packed_at_cp2: boo
     batches = mtp_batches()
 
     want = {}
-    with megatron_on_cpu():
+    def norms_summed(model, grads):  # each TP rank's share of the rows, summed as finalize_model_grads does
+        for name, param in model.named_parameters():
+            if getattr(param, "sequence_parallel", False) and name in grads:
+                torch.distributed.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
+        return grads
+
+    with megatron_on_cpu(tensor_parallel=tensor_parallel):
         model = build(1)
         depth = int(model.config.mtp_num_layers)
         weights = {name: param.detach().clone() for name, param in model.named_parameters()}
         for index in sorted({index for layout, index in runs if not (layout == "zigzag" and packed_at_cp2)}):
             batch = batches[index]
             whole = mtp_pass(model, batch, ordinary)
+            whole["grads"] = norms_summed(model, whole["grads"])
             everything = torch.arange(batch.tokens.size(1))
             whole["mtp"] = torch.tensor([float(whole["mtp"][d]) * masked_tokens(batch, d + 1, everything)
                                          for d in range(depth)], dtype=torch.float64)
             want[index] = whole
     out = {}
-    with megatron_on_cpu(context_parallel=2):
+    with megatron_on_cpu(tensor_parallel=tensor_parallel, context_parallel=2):
         cp = parallel_state.get_context_parallel_group()
         model = planned_with(build(2), weights)
 
@@ -126,7 +135,8 @@ def mtp_beside_context_parallelism(runs, build=dense_mtp_gpt, packed_at_cp2: boo
             (losses[sample] * weighting[rows]).sum().backward()
             tracker = MTPLossLoggingHelper.tracker
             logged = tracker.get("values", tracker.get("loss_values")).to(torch.float64)
-            return losses[sample].detach(), logged, collect_grads(model, summed_over=cp), seen, rows
+            grads = norms_summed(model, collect_grads(model, summed_over=cp))
+            return losses[sample].detach(), logged, grads, seen, rows
 
         for layout, index in runs:
             batch = batches[index]
@@ -136,7 +146,7 @@ def mtp_beside_context_parallelism(runs, build=dense_mtp_gpt, packed_at_cp2: boo
                 loss, mtp, grads, _, _ = rank_pass(batch, mine, batch.thd_params(), batch.positions[:, mine])
                 expected = {"loss": loss, "mtp": mtp, "grads": grads}
             got_loss, logged, got_grads, seen, rows = rank_pass(
-                batch, mine, shared_prefix_params(batch.plan(pad_to=4), cp_layout=layout))
+                batch, mine, shared_prefix_params(batch.plan(pad_to=4 * tensor_parallel), cp_layout=layout))
             if packed:
                 got_mtp, want_loss = logged, expected["loss"]
             else:
@@ -149,7 +159,8 @@ def mtp_beside_context_parallelism(runs, build=dense_mtp_gpt, packed_at_cp2: boo
             out[(layout, index)] = (
                 relative_error(got_loss, want_loss), relative_error(got_mtp, expected["mtp"]),
                 grad_error(got_grads, expected["grads"]) if summed else None, seen,
-                [distinct_mtp_rows(batch, d, pad_to=4) // 2 for d in range(1, depth + 1)], int(rows.numel()))
+                [distinct_mtp_rows(batch, d, pad_to=4 * tensor_parallel) // (2 * tensor_parallel)
+                 for d in range(1, depth + 1)], int(rows.numel()))
     return out
 
 

@@ -9,7 +9,7 @@ updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the
 the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
 table read at each physical row's position on each rank's share, values narrower than queries and
 keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule; a 2-deep MTP block
-at CP = 2 (zigzag against megatron-core's own packed path at CP = 2, contiguous against CP = 1: each
+at CP = 2 x TP = 2 + SP (zigzag against megatron-core's own packed path, contiguous against CP = 1: each
 depth's stream cut over the ranks, its loss and gradients), MTP beside MLA and MoE at CP = 2, and MTP at
 CP = 2 x PP = 2 against megatron-core's own packed path through its schedule.
 Ranks that cut their ids in different layouts are refused by name on all four ranks alike before
@@ -72,9 +72,12 @@ def _latent_attention() -> dict:
 
 
 def _mtp() -> dict:
-    from kit.mtp_context_parallel import mtp_beside_context_parallelism
+    from functools import partial
 
-    return mtp_beside_context_parallelism([("zigzag", 0), ("contiguous", 1)])
+    from kit.mtp_context_parallel import dense_mtp_gpt, mtp_beside_context_parallelism
+
+    build = partial(dense_mtp_gpt, tensor_model_parallel_size=2, sequence_parallel=True)
+    return mtp_beside_context_parallelism([("zigzag", 0), ("contiguous", 1)], build, tensor_parallel=2)
 
 
 def _latent_moe_mtp() -> dict:
@@ -164,13 +167,15 @@ def test_context_parallelism_beside_pipeline_stages_equals_the_samples_packed_wh
         assert checks["log_probs"] < TOL and checks["grads"] < GRAD_TOL, checks
 
 
-@layouts.mark("mtp")
+@layouts.mark("mtp", "tp2", "sp")
 @pytest.mark.parametrize("layout", [pytest.param("zigzag", marks=layouts.mark("cp2-zigzag")),
                                     pytest.param("contiguous", marks=layouts.mark("cp2-allgather"))])
 def test_mtp_beside_context_parallelism_equals_the_samples_packed_whole(world, layout):
-    """A 2-deep MTP block at CP = 2: each rank's layer runs its share of each depth's stream (the rows
-    counted independently), the main loss, each depth's MTP loss (summed over the ranks, per token)
-    and every gradient (summed over the CP ranks) equal the samples packed whole at CP = 1."""
+    """A 2-deep MTP block at CP = 2 x TP = 2 + SP: each rank's layer runs its share of each depth's stream
+    (the rows counted independently), the main loss, each depth's MTP loss and every gradient (summed
+    over the CP ranks, the norms' over the TP ranks) equal megatron-core's own packed path at CP = 2 x
+    TP = 2 + SP (zigzag: its own exchange of the rolled tokens; each rank's MTP loss as logged) or the
+    samples packed whole at TP = 2 (contiguous: the ranks' per-token MTP losses summed)."""
     from kit.mtp_context_parallel import assert_mtp_exact
 
     assert_mtp_exact([rank["cp2-mtp"] for rank in world], layout)
