@@ -135,10 +135,10 @@ def _split_rows(s: Settings) -> bool:
 
 def _context_parallel_served(s: Settings) -> bool:
     """Context parallelism where the plan's cut is tested: a GPTModel's dense or multi-latent attention, MoE
-    (every statistic but Sinkhorn's, read by its own field), pipeline stages and slime's gated delta net
-    layers (not a config field: their class, `slime_gated_delta_net`); no MTP block, megatron-core's
-    recurrent layers, windows or sinks."""
-    return (not s.get("mtp_num_layers") and not s.get("experimental_attention_variant")
+    (every statistic but Sinkhorn's, read by its own field), pipeline stages, an MTP block and slime's gated
+    delta net layers (not a config field: their class, `slime_gated_delta_net`); no megatron-core recurrent
+    layers, DSA, windows or sinks."""
+    return (not s.get("experimental_attention_variant")
             and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
 
 
@@ -159,17 +159,16 @@ FIELDS: dict[str, Known] = {
     # ---- what a token sees: checked
     "context_parallel_size": checked(
         "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE, pipeline stages "
-        "(variable_seq_lengths) and slime's gated delta net layers, without MTP, megatron-core's gated delta nets, "
-        "windows or sinks (tested at CP = 2 and CP = 4; CP = 2 x TP = 2 + SP; MoE at CP = 2 x EP = 2, its statistics "
-        "too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; CP = 2 x PP = 2, also with MLA and MoE together; "
-        "slime's gated delta nets at CP = 2 and CP = 4)",
+        "(variable_seq_lengths), MTP and slime's gated delta net layers, without megatron-core's gated delta nets, "
+        "DSA, windows or sinks (tested at CP = 2 and CP = 4; CP = 2 x TP = 2 + SP; MoE at CP = 2 x EP = 2, its "
+        "statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; CP = 2 x PP = 2, also with MLA and MoE "
+        "together; MTP at CP = 2 x TP = 2 + SP (depth 2, zigzag and contiguous), beside MLA and MoE at CP = 2 and at "
+        "CP = 2 x PP = 2; slime's gated delta nets at CP = 2 and CP = 4)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
-        what="context parallelism beside MTP, megatron-core's gated delta net or DSA, a sliding window or an attention "
-             "sink",
-        why="the MTP block runs the micro-batch's logical rows through megatron-core's own context-parallel roll and "
-            "attention, which a plan's logical share does not feed; megatron-core's recurrent layers, DSA's key "
-            "gather and masks, and the package's windows and sinks are not cut over context-parallel ranks (not "
-            "tested); run these models with context_parallel_size=1 or without a sharing plan"),
+        what="context parallelism beside megatron-core's gated delta net or DSA, a sliding window or an attention sink",
+        why="megatron-core's recurrent layers, DSA's key gather and masks, and the package's windows and sinks are not "
+            "cut over context-parallel ranks (not tested); run these models with context_parallel_size=1 or without "
+            "a sharing plan"),
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),
@@ -180,7 +179,7 @@ FIELDS: dict[str, Known] = {
         why="its rotary table is read at each token's own position only on the unfused, non-interleaved path; set "
             "apply_rope_fusion=False and rotary_interleaved=False"),
     "mtp_num_layers": checked(
-        "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
+        "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2, CP = 2 x TP = 2 + SP, CP = 2 x PP = 2)",
         lambda value, s, training: not value or int(value) <= 2,
         what="multi-token prediction at this depth",
         why="each depth runs its own stream (the prompt shared one token shorter per depth), tested at depths 1 "

@@ -22,7 +22,16 @@ today: every depth's loss, its labels and mask rolled per sample (megatron-core 
 call's params: the GPT module's `roll_tensor` / `process_mtp_loss` reads a plan's params as the
 logical ones), and every gradient (summed back into each shared row by the reads) are the packed
 path's. Which depth a layer call runs is counted within the block's call (a context variable the
-block's pre-hook sets and a hook that always runs clears), never kept on a module."""
+block's pre-hook sets and a hook that always runs clears), never kept on a module.
+
+Under context parallelism (`context_parallel`) the block holds this rank's share of the logical rows,
+cut as the caller cut its ids. Each depth's stream is cut over the ranks as the main one (zigzag over
+its physical rows, padded to 2 * CP chunks): the layer's input gathers every rank's logical rows of the
+previous depth and reads them at this rank's physical rows, its attention gathers every rank's keys and
+values as the decoder's does (the depth's plan in its params), and its output gathers every rank's
+physical rows and reads this rank's logical rows. The ids, labels and loss mask are rolled on the
+whole logical rows as at one rank and read at this rank's rows (`logical_share_roll`): what
+megatron-core's own exchange of boundary tokens gives a zigzag share, and a contiguous one too."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
@@ -34,12 +43,34 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.shared_prefix.context_parallel import (
+    GatheredStream,
+    Share,
+    context_parallel_group,
+    gathered_logical_order,
+    gathered_stream,
+    group_share,
+)
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, plan_shared_prefix, shared_prefix_plan_of
 
 ROLL_MARK = "_megatron_rl_patches_shared_prefix_roll"
 # the depths the block's layers have run in this block call (a one-item list), None outside one
 BLOCK_DEPTH: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "megatron_rl_patches_shared_prefix_mtp_depth", default=None)
+# the block call's own params (the main plan's), None outside one: a layer reads its output back at the
+# logical rows the caller holds (under context parallelism, its rank's share of the main plan's rows)
+BLOCK_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "megatron_rl_patches_shared_prefix_mtp_params", default=None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LogicalShareRoll:
+    """The params megatron-core's loss rolls its labels and mask with under a plan at context
+    parallelism: this rank's share of the logical rows, rolled per sequence of the whole."""
+
+    plan: SharedPrefixPlan
+    share: Share
+    group: Any
 
 
 def is_mtp_block(module: Any) -> bool:
@@ -136,19 +167,40 @@ def sequence_parallel_ranks(config: Any) -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def read_rows(hidden: torch.Tensor, rows: torch.Tensor, config: Any) -> torch.Tensor:
+def read_rows(hidden: torch.Tensor, rows: torch.Tensor, config: Any, whole_of: Any = None) -> torch.Tensor:
     """`hidden` ([n, b, h], under sequence parallelism each rank's share) read at `rows` of the whole,
-    the result split the same way (every rank reads the whole: its gradient is the whole, kept split)."""
+    the result split the same way (every rank reads the whole: its gradient is the whole, kept split).
+    `whole_of`: under context parallelism, the stream over every context-parallel rank of this rank's rows."""
     ranks = sequence_parallel_ranks(config)
-    if ranks == 1:
+    if ranks == 1 and whole_of is None:
         return hidden.index_select(0, rows.to(hidden.device))
     from megatron.core import tensor_parallel
 
     if rows.numel() % ranks:
         raise ValueError(f"shared prefix: under sequence parallelism the MTP block's {rows.numel()} rows must split "
                          f"evenly over the {ranks} tensor-parallel ranks")
-    whole = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-    return tensor_parallel.scatter_to_sequence_parallel_region(whole.index_select(0, rows.to(hidden.device)))
+    if ranks > 1:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    if whole_of is not None:
+        hidden = whole_of(hidden)
+    rows = hidden.index_select(0, rows.to(hidden.device))
+    return tensor_parallel.scatter_to_sequence_parallel_region(rows) if ranks > 1 else rows
+
+
+def logical_whole(local: torch.Tensor, plan: SharedPrefixPlan, share: Share, group: Any) -> torch.Tensor:
+    """This context-parallel rank's logical rows (dim 0) -> every logical row of `plan` in order
+    (autograd: each rank's gradient summed back into the rank holding the row)."""
+    whole = GatheredStream.apply(local, group)
+    return whole.index_select(0, gathered_logical_order(plan, share, whole.device))
+
+
+def stream_reader(stream: SharedPrefixPlan, share: Share | None, device: Any) -> torch.Tensor:
+    """A logical row of each physical row this rank runs of the depth's stream (its `share`, or all)."""
+    rows = reader(stream, device)
+    if share is None:
+        return rows
+    return stream.cached(("mtp-reader-share", share.size, share.rank, str(torch.device(device))),
+                         lambda: rows.index_select(0, share.physical.to(rows.device)))
 
 
 def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -157,6 +209,7 @@ def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, d
     call = ArgumentsByName.of_forward(module, args, kwargs)
     plan = shared_prefix_plan_of(call.get("packed_seq_params"))
     BLOCK_DEPTH.set(None if plan is None else [0])
+    BLOCK_PARAMS.set(None if plan is None else call.get("packed_seq_params"))
     if plan is None:
         return None
     hidden = call.get("hidden_states")
@@ -168,6 +221,7 @@ def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, d
 
 def end_of_block(module: Any, args: tuple, output: Any) -> None:
     BLOCK_DEPTH.set(None)
+    BLOCK_PARAMS.set(None)
 
 
 def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -185,8 +239,19 @@ def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple,
     depths[0] += 1
     depth = depths[0]
     hidden = call.get("hidden_states")
-    stream = depth_plan(plan, depth, sequence_parallel_ranks(layer.config))
-    rows = read_rows(hidden, reader(stream, hidden.device), layer.config)
+    group = context_parallel_group(layer)
+    held = group_share(group, plan, params)
+    # under context parallelism the stream is cut as the main one: 2 * CP equal chunks (each split over SP)
+    stream = depth_plan(plan, depth, sequence_parallel_ranks(layer.config) * (1 if held is None else 2 * held[0].size))
+    whole = torch.tensor([0, stream.physical_length], dtype=torch.int32)
+    stream_params = dataclasses.replace(params, shared_prefix=stream, cu_seqlens_q=whole, cu_seqlens_kv=whole)
+    if held is None:
+        rows = read_rows(hidden, reader(stream, hidden.device), layer.config)
+    else:  # every rank's logical rows of the previous depth, read at this rank's physical rows of the stream
+        share, _ = held
+        mine = group_share(group, stream, stream_params)
+        rows = read_rows(hidden, stream_reader(stream, None if mine is None else mine[0], hidden.device), layer.config,
+                         whole_of=lambda local: logical_whole(local, plan, share, group))
     if hidden._base is not None:
         # a view (the block's chunk of the decoder's states) handed on as one: a layer that drops a view's
         # graph (slime's MTP patch: make_viewless_tensor(keep_graph=False)) drops it as on the packed path
@@ -194,19 +259,45 @@ def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple,
     call.set("hidden_states", rows)
     call.set("input_ids", rolled_logical(plan, "ids", depth - 1, hidden.device))
     call.set("position_ids", rolled_logical(plan, "positions", depth - 1, hidden.device))
-    whole = torch.tensor([0, stream.physical_length], dtype=torch.int32)
-    call.set("packed_seq_params", dataclasses.replace(params, shared_prefix=stream, cu_seqlens_q=whole,
-                                                      cu_seqlens_kv=whole))
+    call.set("packed_seq_params", stream_params)
     return call.done()
 
 
 def logical_layer_output(layer: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """Forward hook of an MTP layer: its state read back at each logical row (what the block hands on)."""
-    stream = shared_prefix_plan_of(ArgumentsByName.of_forward(layer, args, kwargs).get("packed_seq_params"))
+    params = ArgumentsByName.of_forward(layer, args, kwargs).get("packed_seq_params")
+    stream = shared_prefix_plan_of(params)
     if stream is None:
         return None
     hidden, *rest = output
-    return (read_rows(hidden, stream.on(hidden.device, "logical_rows"), layer.config), *rest)
+    main = BLOCK_PARAMS.get()
+    plan = shared_prefix_plan_of(main)
+    group = context_parallel_group(layer)
+    held = None if plan is None else group_share(group, plan, main)
+    if held is None:
+        return (read_rows(hidden, stream.on(hidden.device, "logical_rows"), layer.config), *rest)
+    share, _ = held  # the stream over every rank, read at this rank's logical rows (as the caller cut them)
+    mine = group_share(group, stream, params)
+    assert mine is not None
+    logical = stream.cached(("mtp-logical-share", share.size, share.rank, share.layout, str(hidden.device)),
+                            lambda: stream.logical_rows[share.logical].to(hidden.device))
+    return (read_rows(hidden, logical, layer.config,
+                      whole_of=lambda local: gathered_stream(local, stream, mine[0], group)), *rest)
+
+
+def logical_share_roll(original: Any, call: ArgumentsByName, held: LogicalShareRoll) -> tuple[torch.Tensor, Any]:
+    """megatron-core's per-sequence roll (`original`) of this context-parallel rank's share of the logical
+    rows (labels, loss mask; no gradient): every rank's share gathered in logical order, rolled whole
+    as at one rank, read back at this rank's rows (what megatron-core's own exchange gives its zigzag
+    share, for either layout)."""
+    plan, share, group = held.plan, held.share, held.group
+    tensor, shifts, dims = call.get("tensor"), call.get("shifts") or -1, call.get("dims") or -1
+    parts = [torch.empty_like(tensor) for _ in range(share.size)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    whole = torch.cat(parts, -1).index_select(-1, gathered_logical_order(plan, share, tensor.device))
+    rolled, _ = original(whole, shifts=shifts, dims=dims, cp_group=None, packed_seq_params=logical_params(plan))
+    rows = rolled.index_select(-1, share.logical.to(rolled.device))
+    return rows, rows.sum()
 
 
 def install_label_roll() -> None:
@@ -224,12 +315,17 @@ def install_label_roll() -> None:
     @functools.wraps(original)
     def logical(*args: Any, **kwargs: Any) -> Any:
         call = ArgumentsByName(original, args, kwargs)
-        plan = shared_prefix_plan_of(call.get("packed_seq_params"))
+        params = call.get("packed_seq_params")
+        plan = shared_prefix_plan_of(params)
         if plan is not None:
-            call.set("packed_seq_params", logical_params(plan))
+            held = group_share(call.get("cp_group"), plan, params)
+            if held is not None and name == "roll_tensor":
+                return logical_share_roll(original, call, LogicalShareRoll(plan, *held))
+            call.set("packed_seq_params", logical_params(plan) if held is None else LogicalShareRoll(plan, *held))
             ids = call.get("input_ids")
             if isinstance(ids, torch.Tensor):
-                call.set("input_ids", plan.on(ids.device, "logical_tokens")[None])
+                call.set("input_ids", plan.on(ids.device, "logical_tokens")[None] if held is None
+                         else ids.new_tensor(plan.logical_tokens[held[0].logical])[None])
             args, kwargs = call.done()
         return original(*args, **kwargs)
 
@@ -250,13 +346,18 @@ def install_depth_roll() -> None:
     @functools.wraps(original)
     def physical(*args: Any, **kwargs: Any) -> Any:
         call = ArgumentsByName(original, args, kwargs)
-        stream = shared_prefix_plan_of(call.get("packed_seq_params"))
+        params = call.get("packed_seq_params")
+        if isinstance(params, LogicalShareRoll):  # megatron-core's loss (0.19) at context parallelism
+            return logical_share_roll(original, call, params)
+        stream = shared_prefix_plan_of(params)
         if stream is None:
             return original(*args, **kwargs)
+        held = group_share(call.get("cp_group"), stream, params)
         call.set("packed_seq_params", logical_params(stream))
+        call.set("cp_group", None)  # the whole logical ids, rolled as at one rank, read at this rank's rows
         args, kwargs = call.done()
         rolled, _ = original(*args, **kwargs)
-        rows = rolled.index_select(-1, reader(stream, rolled.device))
+        rows = rolled.index_select(-1, stream_reader(stream, None if held is None else held[0], rolled.device))
         return rows, rows.sum()
 
     setattr(physical, ROLL_MARK, True)

@@ -9,10 +9,12 @@ updates acting, also at CP = 2 x TP = 2 + SP x EP = 2: the logged losses and the
 the CP ranks, the bias after megatron's update); multi-latent attention at CP = 2 (its own rotary
 table read at each physical row's position on each rank's share, values narrower than queries and
 keys gathered over the ranks); CP = 2 x PP = 2 through megatron-core's schedule, on a dense model and
-on one with MLA and MoE together (deepseek-r1's and kimi-k2's features); CP = 4 on a dense
-model (zigzag and contiguous ids). MTP beside context
-parallelism is refused by name on all four ranks alike before anything runs, and so are ranks that
-cut their ids in different layouts."""
+on one with MLA and MoE together (deepseek-r1's and kimi-k2's features); CP = 4 on a dense model
+(zigzag and contiguous ids); a 2-deep MTP block at CP = 2 x TP = 2 + SP (zigzag against megatron-core's
+own packed path, contiguous against CP = 1: each depth's stream cut over the ranks, its loss and
+gradients), MTP beside MLA and MoE at CP = 2, and MTP at CP = 2 x PP = 2 against megatron-core's own
+packed path through its schedule. Ranks that cut their ids in different layouts are refused by name on
+all four ranks alike before anything runs."""
 from __future__ import annotations
 
 import pytest
@@ -21,23 +23,6 @@ from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
-
-
-def _mtp_refusal() -> str | None:
-    from kit.mtp_gpt import build_mtp_gpt
-
-    from megatron_rl_patches.shared_prefix import check_shared_prefix
-    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
-    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
-
-    with megatron_on_cpu(context_parallel=2):
-        model = build_mtp_gpt(tiny_gpt_config(context_parallel_size=2, mtp_num_layers=1),
-                              layer_spec=cp_layer_spec("zigzag"))
-        try:
-            check_shared_prefix([model], training=True)
-        except ValueError as exc:
-            return str(exc)
-    return None
 
 
 def _moe_batches():
@@ -111,6 +96,30 @@ def _latent_moe_pipeline() -> dict:
     return pipeline_exactness(build_stage=build)
 
 
+def _mtp() -> dict:
+    from functools import partial
+
+    from kit.mtp_context_parallel import dense_mtp_gpt, mtp_beside_context_parallelism
+
+    build = partial(dense_mtp_gpt, tensor_model_parallel_size=2, sequence_parallel=True)
+    return mtp_beside_context_parallelism([("zigzag", 0), ("contiguous", 1)], build, tensor_parallel=2)
+
+
+def _latent_moe_mtp() -> dict:
+    from kit.latent_gpt import mla_takes_packed_input
+    from kit.mtp_context_parallel import latent_moe_mtp_gpt, mtp_beside_context_parallelism
+
+    if not mla_takes_packed_input():
+        return {}
+    return mtp_beside_context_parallelism([("zigzag", 0)], latent_moe_mtp_gpt, packed_at_cp2=False)
+
+
+def _pipeline_mtp() -> dict:
+    from kit.mtp_context_parallel import mtp_pipeline_context_parallelism
+
+    return mtp_pipeline_context_parallelism()
+
+
 def _world(rank: int, world_size: int) -> dict:
     from kit.context_parallel_prefix import context_parallel_exactness, pipeline_exactness
 
@@ -122,8 +131,10 @@ def _world(rank: int, world_size: int) -> dict:
             "cp2-mla": _latent_attention(),
             "cp2-pp2": pipeline_exactness(),
             "cp2-pp2-mla-moe": _latent_moe_pipeline(),
-            "cp2-mtp": _mtp_refusal(),
-            "cp4": context_parallel_exactness(1, False, [("zigzag", 0), ("contiguous", 1)], context_parallel=4)}
+            "cp4": context_parallel_exactness(1, False, [("zigzag", 0), ("contiguous", 1)], context_parallel=4),
+            "cp2-mtp": _mtp(),
+            "cp2-pp2-mtp": _pipeline_mtp(),
+            "cp2-mla-moe-mtp": _latent_moe_mtp()}
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +206,46 @@ def test_four_context_parallel_ranks_equal_the_samples_packed_whole(world, layou
     assert_exact([rank["cp4"] for rank in world], layout)
 
 
-@layouts.mark("cp2-zigzag", "mtp")
-def test_mtp_beside_context_parallelism_is_refused_alike_on_every_rank(world):
-    reasons = {rank["cp2-mtp"] for rank in world}
-    assert len(reasons) == 1
-    (reason,) = reasons
-    assert reason is not None and "context parallelism beside MTP" in reason and "context_parallel_size=2" in reason
+@layouts.mark("mtp", "tp2", "sp")
+@pytest.mark.parametrize("layout", [pytest.param("zigzag", marks=layouts.mark("cp2-zigzag")),
+                                    pytest.param("contiguous", marks=layouts.mark("cp2-allgather"))])
+def test_mtp_beside_context_parallelism_equals_the_samples_packed_whole(world, layout):
+    """A 2-deep MTP block at CP = 2 x TP = 2 + SP: each rank's layer runs its share of each depth's stream
+    (the rows counted independently), the main loss, each depth's MTP loss and every gradient (summed
+    over the CP ranks, the norms' over the TP ranks) equal megatron-core's own packed path at CP = 2 x
+    TP = 2 + SP (zigzag: its own exchange of the rolled tokens; each rank's MTP loss as logged) or the
+    samples packed whole at TP = 2 (contiguous: the ranks' per-token MTP losses summed)."""
+    from kit.mtp_context_parallel import assert_mtp_exact
+
+    assert_mtp_exact([rank["cp2-mtp"] for rank in world], layout)
+
+
+@layouts.mark("mtp", "moe", "cp2-zigzag")
+def test_mtp_beside_latent_attention_and_moe_at_context_parallelism_equals_the_samples_packed_whole(world):
+    """glm4.7-30B-A3B's kind at CP = 2: MLA, MoE with expert bias at update rate 0, one MTP layer mirroring
+    them; against the samples packed whole at CP = 1 (the gradients where megatron-core sums the ranks'
+    per-token MTP losses as they are: before 0.19)."""
+    from kit.mtp_context_parallel import assert_mtp_exact
+
+    assert_mtp_exact([rank["cp2-mla-moe-mtp"] for rank in world], "zigzag")
+
+
+@layouts.mark("mtp", "cp2-zigzag", "pp2")
+def test_mtp_beside_context_parallelism_and_pipeline_stages_equals_megatron_cores_own_path(world):
+    """MTP at CP = 2 x PP = 2 through megatron-core's schedule (the block on the last stage): the plan
+    against megatron-core's own packed path at the same layout and weights, on every rank: the main loss
+    per micro-batch, the MTP loss each rank logs, every gradient summed over the CP ranks, and each
+    micro-batch's MTP layer running this rank's half of the depth's stream."""
+    from kit.mtp_context_parallel import GRAD_TOL, TOL
+
+    if not world[0]["cp2-pp2-mtp"]:
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name (0.13: MTP refuses packed "
+                    "input)")
+    assert [rank["cp2-pp2-mtp"]["last"] for rank in world] == [False, False, True, True]
+    for rank in world:
+        checks = rank["cp2-pp2-mtp"]
+        assert checks["loss"] < TOL and checks["mtp"] < TOL and checks["grads"] < GRAD_TOL, checks
+        assert checks["rows"] == checks["expected"] and checks["micro_batches"] == (2 if checks["last"] else 0)
 
 
 

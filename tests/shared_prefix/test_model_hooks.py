@@ -157,7 +157,7 @@ def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe
 
 
 REFUSALS = {
-    "cp2-mtp": (dict(context_parallel_size=2, mtp_num_layers=1), False, "context parallelism beside MTP"),
+    "cp2-window": (dict(context_parallel_size=2, window_size=(4, 0)), False, "a sliding window or an attention sink"),
     "moe-sinkhorn-cp": (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn", context_parallel_size=2),
                         True, "Sinkhorn's under sequence parallelism or context parallelism"),
     "mla-interleaved": (dict(multi_latent_attention=True, rotary_interleaved=True), False, "multi-latent attention"),

@@ -26,7 +26,7 @@ RECOMPUTED_MOE = {**MOE, "recompute_granularity": "selective", "recompute_module
 
 # field: (a value other than the default, the config it is set on, training) -> refused by name
 REFUSED = {
-    "context_parallel_size": (2, {"mtp_num_layers": 1}, False),
+    "context_parallel_size": (2, {"window_size": (8, 0)}, False),
     "hybrid_context_parallel": (True, {}, False),
     "pipeline_model_parallel_size": (2, {}, False),
     "virtual_pipeline_model_parallel_size": (2, {}, False),
@@ -68,9 +68,10 @@ REFUSED = {
 ALLOWED = {
     "pipeline_model_parallel_size": (2, {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"},
                                      True),  # planned in test_layouts.py
-    # test_layouts.py (CP = 2), test_context_parallel_layouts.py (x TP = 2 + SP; beside MoE, MLA, PP = 2)
+    # test_layouts.py (CP = 2), test_context_parallel_layouts.py (x TP = 2 + SP; beside MoE, MLA, PP = 2, MTP)
     "context_parallel_size": (2, {**MOE, "multi_latent_attention": True, "pipeline_model_parallel_size": 2,
-                                  "variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}, True),
+                                  "variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall",
+                                  "mtp_num_layers": 1}, True),
     "softmax_type": ("learnable", {}, True),  # test_windows_sinks.py
     "window_size": ((8, 0), {}, True),
     "mtp_num_layers": (0, {}, True),
