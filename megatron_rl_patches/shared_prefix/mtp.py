@@ -54,11 +54,15 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, plan_shared_prefix, shared_prefix_plan_of
 
 ROLL_MARK = "_megatron_rl_patches_shared_prefix_roll"
-# the depths the block's layers have run in this block call (a one-item list), None outside one
+# the depths the block's layers have run in this block call (a one-item list), None outside one.
+# not an argument: megatron-core's MultiTokenPredictionBlock calls each layer with the same (input_ids,
+# position_ids, hidden_states, ...) and no depth, and a layer's pre-hook is handed only those
 BLOCK_DEPTH: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "megatron_rl_patches_shared_prefix_mtp_depth", default=None)
 # the block call's own params (the main plan's), None outside one: a layer reads its output back at the
-# logical rows the caller holds (under context parallelism, its rank's share of the main plan's rows)
+# logical rows the caller holds (under context parallelism, its rank's share of the main plan's rows).
+# not an argument: the layer's forward hook sees the layer's own packed_seq_params (the depth's plan, which
+# its pre-hook handed it), never the block's
 BLOCK_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "megatron_rl_patches_shared_prefix_mtp_params", default=None)
 
