@@ -77,6 +77,8 @@ def params_type() -> type:
         shared_prefix: Any = None
         route: str = "auto"
         cp_layout: str = "zigzag"
+        # an MTP depth's stream (shared_prefix/mtp.py): the main plan its output is read back at
+        main_plan: Any = None
 
     return SharedPrefixParams
 

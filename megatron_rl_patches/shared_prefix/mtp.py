@@ -21,8 +21,8 @@ logical row (`logical_layer_output`), so the block hands megatron-core's loss th
 today: every depth's loss, its labels and mask rolled per sample (megatron-core rolls them with the
 call's params: the GPT module's `roll_tensor` / `process_mtp_loss` reads a plan's params as the
 logical ones), and every gradient (summed back into each shared row by the reads) are the packed
-path's. Which depth a layer call runs is counted within the block's call (a context variable the
-block's pre-hook sets and a hook that always runs clears), never kept on a module.
+path's. Each layer's hook is bound to its depth (its place in the block) when the block is prepared,
+and the depth's params carry the main plan the layer's output is read back at (`main_plan`).
 
 Under context parallelism (`context_parallel`) the block holds this rank's share of the logical rows,
 cut as the caller cut its ids. Each depth's stream is cut over the ranks as the main one (zigzag over
@@ -35,7 +35,6 @@ megatron-core's own exchange of boundary tokens gives a zigzag share, and a cont
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -54,17 +53,6 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, plan_shared_prefix, shared_prefix_plan_of
 
 ROLL_MARK = "_megatron_rl_patches_shared_prefix_roll"
-# the depths the block's layers have run in this block call (a one-item list), None outside one.
-# not an argument: megatron-core's MultiTokenPredictionBlock calls each layer with the same (input_ids,
-# position_ids, hidden_states, ...) and no depth, and a layer's pre-hook is handed only those
-BLOCK_DEPTH: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "megatron_rl_patches_shared_prefix_mtp_depth", default=None)
-# the block call's own params (the main plan's), None outside one: a layer reads its output back at the
-# logical rows the caller holds (under context parallelism, its rank's share of the main plan's rows).
-# not an argument: the layer's forward hook sees the layer's own packed_seq_params (the depth's plan, which
-# its pre-hook handed it), never the block's
-BLOCK_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "megatron_rl_patches_shared_prefix_mtp_params", default=None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -209,11 +197,9 @@ def stream_reader(stream: SharedPrefixPlan, share: Share | None, device: Any) ->
 
 def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of the MTP block: the packed ids and positions of the plan's micro-batch (the
-    decoder's states arrive at the logical rows already); its layers' depths counted from here."""
+    decoder's states arrive at the logical rows already)."""
     call = ArgumentsByName.of_forward(module, args, kwargs)
     plan = shared_prefix_plan_of(call.get("packed_seq_params"))
-    BLOCK_DEPTH.set(None if plan is None else [0])
-    BLOCK_PARAMS.set(None if plan is None else call.get("packed_seq_params"))
     if plan is None:
         return None
     hidden = call.get("hidden_states")
@@ -223,32 +209,23 @@ def logical_mtp_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, d
     return call.done()
 
 
-def end_of_block(module: Any, args: tuple, output: Any) -> None:
-    BLOCK_DEPTH.set(None)
-    BLOCK_PARAMS.set(None)
-
-
-def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook of an MTP layer: its depth's physical rows of the previous depth's state, the
-    logical ids and positions as rolled before this depth, and the depth's plan as the call's params."""
+def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict, *, depth: int) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the MTP layer of depth `depth` (1 for the block's first): its depth's
+    physical rows of the previous depth's state, the logical ids and positions as rolled before this
+    depth, and the depth's plan as the call's params (with the main plan, to read the output back at)."""
     call = ArgumentsByName.of_forward(layer, args, kwargs)
     params = call.get("packed_seq_params")
     plan = shared_prefix_plan_of(params)
     if plan is None:
         return None
-    depths = BLOCK_DEPTH.get()
-    if depths is None:
-        raise ValueError("shared prefix: an MTP layer called under a plan outside its MultiTokenPredictionBlock's "
-                         "call (the block counts each layer's depth)")
-    depths[0] += 1
-    depth = depths[0]
     hidden = call.get("hidden_states")
     group = context_parallel_group(layer)
     held = group_share(group, plan, params)
     # under context parallelism the stream is cut as the main one: 2 * CP equal chunks (each split over SP)
     stream = depth_plan(plan, depth, sequence_parallel_ranks(layer.config) * (1 if held is None else 2 * held[0].size))
     whole = torch.tensor([0, stream.physical_length], dtype=torch.int32)
-    stream_params = dataclasses.replace(params, shared_prefix=stream, cu_seqlens_q=whole, cu_seqlens_kv=whole)
+    stream_params = dataclasses.replace(params, shared_prefix=stream, cu_seqlens_q=whole, cu_seqlens_kv=whole,
+                                        main_plan=plan)
     if held is None:
         rows = read_rows(hidden, reader(stream, hidden.device), layer.config)
     else:  # every rank's logical rows of the previous depth, read at this rank's physical rows of the stream
@@ -274,10 +251,9 @@ def logical_layer_output(layer: Any, args: tuple, kwargs: dict, output: Any) -> 
     if stream is None:
         return None
     hidden, *rest = output
-    main = BLOCK_PARAMS.get()
-    plan = shared_prefix_plan_of(main)
+    plan = params.main_plan  # its cp_layout is the main params' (the depth's params replace only the plan)
     group = context_parallel_group(layer)
-    held = None if plan is None else group_share(group, plan, main)
+    held = group_share(group, plan, params)
     if held is None:
         return (read_rows(hidden, stream.on(hidden.device, "logical_rows"), layer.config), *rest)
     share, _ = held  # the stream over every rank, read at this rank's logical rows (as the caller cut them)
@@ -370,9 +346,8 @@ def install_depth_roll() -> None:
 
 def prepare_mtp_block(block: Any) -> None:
     block.register_forward_pre_hook(logical_mtp_inputs, with_kwargs=True)
-    block.register_forward_hook(end_of_block, always_call=True)
-    for layer in block.layers:
-        layer.register_forward_pre_hook(physical_layer_inputs, with_kwargs=True)
+    for index, layer in enumerate(block.layers):  # megatron-core's block calls them in order, depth 1 first
+        layer.register_forward_pre_hook(functools.partial(physical_layer_inputs, depth=index + 1), with_kwargs=True)
         layer.register_forward_hook(logical_layer_output, with_kwargs=True)
     install_label_roll()
     install_depth_roll()

@@ -75,7 +75,7 @@ def test_the_negative_control_the_logical_states_in_a_depth_stream_fail_loudly(m
     from megatron_rl_patches.shared_prefix import mtp
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
-    monkeypatch.setattr(mtp, "physical_layer_inputs", lambda *args: None)
+    monkeypatch.setattr(mtp, "physical_layer_inputs", lambda *args, **kwargs: None)
     batch = constant_padding(((30, (5, 9)),), (), padding=0)
     model = build_mtp_gpt(tiny_gpt_config(mtp_num_layers=1))
     with pytest.raises((RuntimeError, ValueError, AssertionError, IndexError)):
