@@ -63,7 +63,7 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
     module_share,
     taken,
 )
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, physical_readers, shared_prefix_plan_of
 
 # not an argument: megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params;
 # the call's params (holding the plan) are set by the transformer layer's pre-hook for that one call and reset by
@@ -115,16 +115,6 @@ def plan_for_the_call(layer: Any, args: tuple, kwargs: dict) -> None:
 
 def end_of_the_call(layer: Any, args: tuple, output: Any) -> None:
     LAYER_PARAMS.set(None)
-
-
-def _reader(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
-    """For each physical row, a logical row that reads it (0 where none does)."""
-    def build() -> torch.Tensor:
-        reader = torch.zeros(plan.physical_length, dtype=torch.int64)
-        reader[plan.logical_rows] = torch.arange(plan.logical_length)
-        return reader.to(device)
-
-    return plan.cached(("moe-reader", str(torch.device(device))), build)
 
 
 def _sequence_shares(router: Any, plan: SharedPrefixPlan, rows: int) -> tuple[int, int, Any] | None:
@@ -184,7 +174,7 @@ def _context_parallel_routing(cls: Any, router: Any, flat: torch.Tensor, plan: S
         every_map = GatheredStream.apply(routing_bytes, group)
     physical = share.physical.to(probs.device)[rank * rows:(rank + 1) * rows]
     reader = gathered_logical_order(plan, share, probs.device).index_select(
-        0, _reader(plan, probs.device).index_select(0, physical))
+        0, physical_readers(plan, probs.device).index_select(0, physical))
     return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
 
@@ -212,7 +202,7 @@ def planned_router_class(cls: Any) -> type:
         if shares is None:
             logical = flat.index_select(0, plan.on(flat.device, "logical_rows"))
             probs, routing_map = cls.routing(self, logical.unsqueeze(1))
-            reader = _reader(plan, probs.device)
+            reader = physical_readers(plan, probs.device)
             return probs.index_select(0, reader), routing_map.index_select(0, reader)
         from megatron.core import tensor_parallel  # lazy: optional dependency megatron-core
 
@@ -224,7 +214,7 @@ def planned_router_class(cls: Any) -> type:
         every_probs = tensor_parallel.gather_from_sequence_parallel_region(probs, group=group)
         with torch.no_grad():  # gloo gathers no bool: the routing map as bytes
             every_map = tensor_parallel.gather_from_sequence_parallel_region(routing_map.to(torch.uint8), group=group)
-        reader = _reader(plan, probs.device)[rank * rows:(rank + 1) * rows]
+        reader = physical_readers(plan, probs.device)[rank * rows:(rank + 1) * rows]
         return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedRouter), {"routing": routing, "__module__": cls.__module__,

@@ -50,7 +50,12 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
     gathered_stream,
     group_share,
 )
-from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, plan_shared_prefix, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.plan import (
+    SharedPrefixPlan,
+    physical_readers,
+    plan_shared_prefix,
+    shared_prefix_plan_of,
+)
 
 ROLL_MARK = "_megatron_rl_patches_shared_prefix_roll"
 
@@ -127,16 +132,6 @@ def depth_plan(plan: SharedPrefixPlan, depth: int, pad_to: int = 1) -> SharedPre
     return plan.cached(("mtp-depth", depth, pad_to), build)
 
 
-def reader(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
-    """[S]: a logical row of each physical row (0 for the padding no logical row reads)."""
-    def build() -> torch.Tensor:
-        rows = torch.zeros(plan.physical_length, dtype=torch.int64)
-        rows[plan.logical_rows] = torch.arange(plan.logical_length)
-        return rows.to(device)
-
-    return plan.cached(("mtp-reader", str(torch.device(device))), build)
-
-
 def rolled_logical(plan: SharedPrefixPlan, name: str, times: int, device: Any) -> torch.Tensor:
     """[1, T]: the logical ids ("ids") or positions rolled `times` by megatron-core's own per-sequence roll."""
     def build() -> torch.Tensor:
@@ -188,7 +183,7 @@ def logical_whole(local: torch.Tensor, plan: SharedPrefixPlan, share: Share, gro
 
 def stream_reader(stream: SharedPrefixPlan, share: Share | None, device: Any) -> torch.Tensor:
     """A logical row of each physical row this rank runs of the depth's stream (its `share`, or all)."""
-    rows = reader(stream, device)
+    rows = physical_readers(stream, device)
     if share is None:
         return rows
     return stream.cached(("mtp-reader-share", share.size, share.rank, str(torch.device(device))),
@@ -227,7 +222,7 @@ def physical_layer_inputs(layer: Any, args: tuple, kwargs: dict, *, depth: int) 
     stream_params = dataclasses.replace(params, shared_prefix=stream, cu_seqlens_q=whole, cu_seqlens_kv=whole,
                                         main_plan=plan)
     if held is None:
-        rows = read_rows(hidden, reader(stream, hidden.device), layer.config)
+        rows = read_rows(hidden, physical_readers(stream, hidden.device), layer.config)
     else:  # every rank's logical rows of the previous depth, read at this rank's physical rows of the stream
         share, _ = held
         mine = group_share(group, stream, stream_params)

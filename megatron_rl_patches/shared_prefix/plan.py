@@ -226,3 +226,13 @@ def shared_prefix_plan_of(packed_seq_params: Any) -> SharedPrefixPlan | None:
     """The plan a `packed_seq_params` carries, or None (ordinary packing, or none)."""
     plan = getattr(packed_seq_params, "shared_prefix", None)
     return plan if isinstance(plan, SharedPrefixPlan) else None
+
+
+def physical_readers(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
+    """[S]: a logical row that reads each physical row (0 for the padding none reads), on `device` (cached)."""
+    def build() -> torch.Tensor:
+        rows = torch.zeros(plan.physical_length, dtype=torch.int64)
+        rows[plan.logical_rows] = torch.arange(plan.logical_length)
+        return rows.to(device)
+
+    return plan.cached(("physical-readers", str(torch.device(device))), build)
