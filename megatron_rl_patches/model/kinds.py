@@ -16,3 +16,8 @@ def is_language_model(module: Any) -> bool:
 def is_attention(module: Any) -> bool:
     """An attention layer: megatron-core's `Attention` (self-attention, the gated kind too)."""
     return hasattr(module, "core_attention") and hasattr(module, "linear_proj")
+
+
+def qualified_name(cls: type) -> str:
+    """A class's module and qualified name ("package.module.Class"), as refusals name a layer."""
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -22,7 +22,7 @@ import re
 from typing import Any, cast
 
 from megatron_rl_patches.model.chunks import as_chunks, modules_of
-from megatron_rl_patches.model.kinds import is_attention, is_language_model
+from megatron_rl_patches.model.kinds import is_attention, is_language_model, qualified_name
 from megatron_rl_patches.ops.agreement import gathered_objects, world
 from megatron_rl_patches.shared_prefix.gated_delta_net import PlannedGatedDeltaNet
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
@@ -77,15 +77,11 @@ HAND_WRITTEN = ("do not pack its micro-batches by shared prefix (call plan_share
                 "check_shared_prefix accepts)")
 
 
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 @functools.cache
 def _forward_owner(cls: Any) -> str:
     """The class (qualified name) whose own code is `cls`'s forward."""
     owner = next((c for c in cls.__mro__ if "forward" in vars(c)), cls)
-    return _qualified(owner)
+    return qualified_name(owner)
 
 
 @functools.cache
@@ -174,32 +170,33 @@ def module_reason(path: str, module: Any) -> str | None:
     """Why the plan cannot run a model holding `module` (at `path`), or None."""
     cls: Any = type(module)
     if is_latent_attention(module) and _old_megatron_core():
-        return (f"multi-latent attention on megatron-core {_old_megatron_core()} ({_qualified(cls)} at {path}): "
+        return (f"multi-latent attention on megatron-core {_old_megatron_core()} ({qualified_name(cls)} at {path}): "
                 "tested exact on 0.16 and later; upgrade megatron-core or do not share this model's prefixes")
     # a core or a gated delta net the package already prepared: the class it found
     own: Any = cls.__mro__[1] if isinstance(module, (SharedPrefixCore, PlannedGatedDeltaNet)) else cls
     for kind, reason in RECURRENT.items():
         if kind in cls.__name__ and _forward_owner(own) not in RECURRENT_SERVED:
-            return f"{reason} ({_qualified(cls)} at {path or 'the model'})"
+            return f"{reason} ({qualified_name(cls)} at {path or 'the model'})"
     if is_sparse_attention(module):
         return sparse_attention_reason(module, path or "the model")
     for kind, reason in SLIME_SPARSE.items():
         if any(c.__name__ == kind for c in cls.__mro__):
-            return f"{reason} ({_qualified(cls)} at {path or 'the model'})"
+            return f"{reason} ({qualified_name(cls)} at {path or 'the model'})"
     if is_sparse_indexer(module):  # its core prepares it (refused with the core where it cannot run)
         return None
     if is_attention(module) and getattr(module, "attention_type", "self") != "self":
-        return f"{getattr(module, 'attention_type', '')} attention ({_qualified(cls)} at {path})"
+        return f"{getattr(module, 'attention_type', '')} attention ({qualified_name(cls)} at {path})"
     if not _takes_packed_seq_params(cls):
         return None
     if is_slime_gated_delta_net(module):
         return slime_gated_delta_net_reason(module, path or "the model")
     if _forward_owner(own) == PACKAGE_GATED_DELTA_NET and int(getattr(module, "cp_size", 1)) > 1:
-        return (f"the package's gated delta net ({_qualified(cls)} at {path}) at context parallelism (context-parallel "
-                f"size {module.cp_size}): it runs a plan's stream at one rank; run it at context_parallel_size=1")
+        return (f"the package's gated delta net ({qualified_name(cls)} at {path}) at context parallelism "
+                f"(context-parallel size {module.cp_size}): it runs a plan's stream at one rank; run it at "
+                "context_parallel_size=1")
     if is_language_model(module) or _forward_owner(own) in PASSES_ON | CORES | RECURRENT_SERVED:
         return None
-    return NOT_KNOWN.format(name=_qualified(cls), path=path or "the model")
+    return NOT_KNOWN.format(name=qualified_name(cls), path=path or "the model")
 
 
 def context_parallel_reasons(model: Any, path: str) -> list[str]:
@@ -212,7 +209,7 @@ def context_parallel_reasons(model: Any, path: str) -> list[str]:
         return [f"context parallelism on megatron-core {_old_megatron_core()} (context_parallel_size={size}): the plan "
                 "cuts its stream over the ranks on 0.16 and later; upgrade megatron-core or run it at "
                 "context_parallel_size=1"]
-    name = _qualified(type(model))
+    name = qualified_name(type(model))
     if type(model).__name__ != "GPTModel":
         return [f"context parallelism in {name} at {path or 'the model'} (context_parallel_size={size}): the plan "
                 "cuts its stream over the ranks in megatron-core's GPTModel only; run it at context_parallel_size=1"]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.model.kinds import qualified_name
 from megatron_rl_patches.shared_prefix.context_parallel import Share, gathered_stream, module_share
 from megatron_rl_patches.shared_prefix.gated_delta_net import (
     PlannedGatedDeltaNet,
@@ -49,20 +50,16 @@ LAYERS = {"slime_plugins.models.qwen3_5.Attention": "slime_plugins.models.qwen3_
 BACKENDS = ("fla",)  # the layer's `gdn_backend`s whose kernel takes a differentiable initial state
 
 
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def is_slime_gated_delta_net(module: Any) -> bool:
     """slime's Qwen3.5 / Qwen3-Next gated-delta-net layer (or a subclass), found without importing slime."""
-    return any(_qualified(cls) in LAYERS for cls in type(module).__mro__)
+    return any(qualified_name(cls) in LAYERS for cls in type(module).__mro__)
 
 
 def slime_gated_delta_net_reason(module: Any, path: str) -> str | None:
     """Why a plan cannot run slime's gated-delta-net layer `module` (at `path`), or None."""
     backend = getattr(getattr(module, "linear_attn", None), "gdn_backend", "fla")
     if backend not in BACKENDS:
-        return (f"slime's gated delta net layer ({_qualified(type(module))} at {path}) on --qwen-gdn-backend "
+        return (f"slime's gated delta net layer ({qualified_name(type(module))} at {path}) on --qwen-gdn-backend "
                 f"{backend}: a plan continues each remainder from its prefix's state through the kernel's "
                 f"initial_state, checked for {', '.join(BACKENDS)} only; run it with --qwen-gdn-backend fla")
     return None

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.model.kinds import qualified_name
 from megatron_rl_patches.shared_prefix.attention_rule import dense
 from megatron_rl_patches.shared_prefix.mla import PlannedLength, planned_rotary_class
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
@@ -45,13 +46,9 @@ INDEXER = "megatron.core.transformer.experimental_attention_variant.dsa.DSAIndex
 ATTENTION = "megatron.core.transformer.experimental_attention_variant.absorbed_mla.AbsorbedMLASelfAttention"
 
 
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _owner(cls: type, name: str) -> str | None:
     """The qualified name of the first class in `cls`'s MRO that is megatron-core's `name`, or None."""
-    return next((_qualified(c) for c in cls.__mro__ if _qualified(c) == name), None)
+    return next((qualified_name(c) for c in cls.__mro__ if qualified_name(c) == name), None)
 
 
 def is_sparse_attention(module: Any) -> bool:
@@ -69,7 +66,7 @@ def module_reason(module: Any, path: str) -> str | None:
     old = megatron_core_before_0_19()
     if old is None:
         return None
-    return (f"DSA sparse attention on megatron-core {old} ({_qualified(type(module))} at {path}): its DSAttention "
+    return (f"DSA sparse attention on megatron-core {old} ({qualified_name(type(module))} at {path}): its DSAttention "
             "refuses packed input (DSAIndexer.forward_with_scores asserts packed_seq_params is None); the plan runs "
             "megatron-core 0.19's; upgrade megatron-core or do not share this model's prefixes")
 
