@@ -51,6 +51,8 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
     taken,
 )
 from megatron_rl_patches.shared_prefix.gated_delta_net import is_gated_delta_net, prepare_gated_delta_net
+from megatron_rl_patches.shared_prefix.held import computed, held_rows_of, whole_stream
+from megatron_rl_patches.shared_prefix.held_passes import begin_held_pass, deferred_at_input, end_held_pass
 from megatron_rl_patches.shared_prefix.mla import is_latent_attention, prepare_latent_attention
 from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
 from megatron_rl_patches.shared_prefix.mtp import is_mtp_block, prepare_mtp_block
@@ -122,6 +124,7 @@ def prepare_shared_prefix(model: Any) -> Any:
             continue
         if is_language_model(module):
             module.register_forward_pre_hook(physical_inputs, with_kwargs=True)
+            module.decoder.register_forward_pre_hook(deferred_at_input, with_kwargs=True)
             module.decoder.register_forward_hook(logical_rows, with_kwargs=True)
             setattr(module, INSTALLED, True)
             found = True
@@ -176,7 +179,14 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
         if plan.physical_length and int(plan.tokens.min()) < 0:
             raise ValueError(f"shared prefix: token id {int(plan.tokens.min())} is negative: the model's ids are 0 "
                              f"to {vocab - 1}")
-        if share is None:
+        if held_rows_of(plan) is not None:
+            if share is not None:
+                raise ValueError("shared prefix: segments held across micro-batches are not yet run at context "
+                                 "parallelism; plan each micro-batch on its own (plan_shared_prefix)")
+            begin_held_pass(module, plan, params, run_segments)
+            call.set("input_ids", computed(plan, "tokens", ids.device)[None])
+            call.set("position_ids", computed(plan, "positions", ids.device)[None])
+        elif share is None:
             call.set("input_ids", plan.on(ids.device, "tokens")[None])
             call.set("position_ids", plan.on(ids.device, "positions")[None])
         else:
@@ -186,6 +196,14 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
         raise ValueError("shared prefix: padding_mask is not taken with a shared-prefix plan (the plan's padding "
                          "rows are its own); pass padding_mask=None")
     return call.done()
+
+
+def run_segments(model: Any, plan: SharedPrefixPlan, like: Any) -> None:
+    """`model` (a prepared language model) over a plan of a step's segments alone, with the route and
+    layout of the pass's params `like`: no logical rows, so nothing past the decoder is computed."""
+    device = next(model.parameters()).device
+    model(torch.empty(1, 0, dtype=torch.int64, device=device), None, None,
+          packed_seq_params=shared_prefix_params(plan, route=like.route, cp_layout=like.cp_layout))
 
 
 def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -206,7 +224,7 @@ def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, 
                              f"sample {plan.longest}")
         if held is not None:
             return emb.index_select(0, taken(plan, held[0], "positions", "physical", emb.device))
-        return emb.index_select(0, plan.on(emb.device, "positions"))
+        return emb.index_select(0, computed(plan, "positions", emb.device))
 
     call.set("rotary_pos_emb", tuple(at_positions(e) for e in table) if isinstance(table, tuple)
              else at_positions(table))
@@ -237,7 +255,9 @@ def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         # every rank reads the whole stream: the gradient each gets back is the whole one, so keep a split
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
     if held is None:
-        rows = hidden.index_select(0, plan.on(hidden.device, "logical_rows"))
+        whole = whole_stream(plan, hidden, "output", module)  # with the held segments' rows, where a step holds some
+        rows = whole.index_select(0, plan.on(hidden.device, "logical_rows"))
+        end_held_pass(plan)
     else:  # every rank's physical rows, read at this rank's logical rows
         share, group = held
         whole = gathered_stream(hidden, plan, share, group)
@@ -304,10 +324,15 @@ def shared_prefix_core_class(cls: Any) -> type:
             share, group = held
             key, value = (gathered_stream(t, plan, share, group) for t in with_batch(key, value))
             query = with_batch(query)[0]
+        step = held_rows_of(plan)
+        if step is not None:  # a step's held segments: their keys and values put back in the stream
+            query, key, value = with_batch(query, key, value)
+            key, value = whole_stream(plan, key, "key", self), whole_stream(plan, value, "value", self)
         return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route,
                                        window=layer_window(config, getattr(self, "layer_number", 1)),
                                        sink=attention_sink(self),
-                                       share=None if held is None else (held[0].size, held[0].rank))
+                                       share=None if held is None else (held[0].size, held[0].rank),
+                                       query_rows=None if step is None else step.computed)
 
     return type(f"SharedPrefix{cls.__name__}", (cls, SharedPrefixCore),
                 {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})

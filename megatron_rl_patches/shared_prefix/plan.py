@@ -22,7 +22,7 @@ import torch
 
 from megatron_rl_patches.shared_prefix.grouping import Group
 from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
-from megatron_rl_patches.shared_prefix.tree import run_of, tree_layout
+from megatron_rl_patches.shared_prefix.tree import TreeLayout, run_of, tree_layout
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,8 @@ class SharedPrefixPlan:
     stats: PlanStats
     padding_rows: int
     sequence_bounds: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
+    # rows a step's held segments hold (`held.HeldRows`): None where the plan computes every row itself
+    held: Any = None
     _placed: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -149,6 +151,40 @@ def _count(name: str, value: Any, low: int) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """A packed micro-batch's arguments, checked: its ids (int64 on the CPU), its sequence `bounds`
+    and how many of its sequences are `samples` (the rest, and the rows past the last bound, padding)."""
+
+    ids: torch.Tensor
+    bounds: list[int]
+    samples: int
+
+    @property
+    def starts(self) -> list[int]:
+        return self.bounds[:self.samples]
+
+    @property
+    def ends(self) -> list[int]:
+        return self.bounds[1:self.samples + 1]
+
+
+def checked_micro_batch(tokens: torch.Tensor, cu_seqlens: Any, samples: int | None = None) -> MicroBatch:
+    """`plan_shared_prefix`'s micro-batch arguments checked and read by value (see there)."""
+    ids = _ids(tokens)
+    bounds = _bounds(cu_seqlens, ids.numel())
+    n = len(bounds) - 1
+    samples = n if samples is None else _count("samples", samples, 0)
+    if samples > n:
+        raise ValueError(f"plan_shared_prefix: samples={samples} but cu_seqlens holds {n} sequences")
+    no_negative_id(ids, bounds)
+    batch = MicroBatch(ids, bounds, samples)
+    if any(end <= start for start, end in zip(batch.starts, batch.ends)):
+        raise ValueError("plan_shared_prefix: a sample of length 0 (cu_seqlens repeats a boundary); "
+                         "pack only non-empty samples")
+    return batch
+
+
 def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | None = None, pad_to: int = 1,
                        min_shared: int = 1, hints: Sequence[Any] | None = None,
                        levels: int | None = None) -> SharedPrefixPlan:
@@ -162,27 +198,27 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     `levels` caps the shared segments on a sample's path (1: a group's longest common prefix, then
     each member's rest whole). `hints` (one per sample, e.g. a claimed group index) only count
     claimed groups whose tokens differ."""
-    ids = _ids(tokens)
-    bounds = _bounds(cu_seqlens, ids.numel())
-    n = len(bounds) - 1
-    samples = n if samples is None else _count("samples", samples, 0)
-    if samples > n:
-        raise ValueError(f"plan_shared_prefix: samples={samples} but cu_seqlens holds {n} sequences")
-    pad_to, min_shared = bounded_pad_to(_count("pad_to", pad_to, 1), ids.numel()), _count("min_shared", min_shared, 1)
-    no_negative_id(ids, bounds)
-    starts, ends = bounds[:samples], bounds[1:samples + 1]
-    if any(end <= start for start, end in zip(starts, ends)):
-        raise ValueError("plan_shared_prefix: a sample of length 0 (cu_seqlens repeats a boundary); "
-                         "pack only non-empty samples")
-    hints = hint_values(hints, samples)
+    batch = checked_micro_batch(tokens, cu_seqlens, samples)
+    pad_to, min_shared = _count("pad_to", pad_to, 1), _count("min_shared", min_shared, 1)
     if levels is not None:
         _count("levels", levels, 1)
-    tree = tree_layout(ids, starts, ends, min_shared, levels)
+    hints = hint_values(hints, batch.samples)
+    tree = tree_layout(batch.ids, batch.starts, batch.ends, min_shared, levels)
+    return plan_of_layout(batch, tree, pad_to, hints)
+
+
+def plan_of_layout(batch: MicroBatch, tree: TreeLayout, pad_to: int = 1, hints: list[Any] | None = None,
+                   held_rows: int = 0) -> SharedPrefixPlan:
+    """The plan of `batch` laid out as `tree` (its samples' segments), padded so that the rows the
+    model computes (all but `held_rows`, which a step's held segments hold) are a multiple of `pad_to`."""
+    ids, bounds, samples = batch.ids, batch.bounds, batch.samples
+    ends = batch.ends
+    pad_to = bounded_pad_to(pad_to, ids.numel())
     groups = tuple(Group(members, shared) for members, shared in tree.tops)
     physical = tree.rows
     logical_padding = ids.numel() - (ends[-1] if ends else 0)
     needed = 1 if logical_padding else 0  # the row every logical padding row reads
-    padding = needed + (-(physical + needed)) % pad_to
+    padding = needed + (-(physical - held_rows + needed)) % pad_to
     pad_id = ids[ends[-1] if ends else 0] if logical_padding else torch.tensor(0)
     starts_t, lengths_t, positions_t, sources_t, reach_t = (tree.starts, tree.lengths, tree.positions, tree.sources,
                                                               tree.reach)

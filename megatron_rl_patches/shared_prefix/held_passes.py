@@ -1,0 +1,58 @@
+"""The passes of a step's held segments around a micro-batch's own forward (see `held`): the side
+pass before it (the segments it reads first, computed without gradients and kept), the deferred node
+at its decoder input (in training: the segments it reads last, recomputed and backpropagated in its
+backward) and the held state released after its last forward-only reader.
+
+`run` (given by the model's seams) runs the model over a plan of segments alone: a forward whose
+logical rows are none, so nothing past the decoder is computed."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.model.arguments import ArgumentsByName
+from megatron_rl_patches.shared_prefix.held import MAIN, DeferredSegments, held_rows_of
+from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
+
+Run = Callable[[Any, Any, Any], None]  # (language model, plan of segments, the main pass's params)
+
+
+def begin_held_pass(model: Any, plan: Any, params: Any, run: Run) -> None:
+    """At a pass's language-model input: a main pass binds the step's store to `model` and first runs
+    its side pass (once: a recompute of the layer stack reruns the pass's call without it)."""
+    held = held_rows_of(plan)
+    if held is None or held.mode != MAIN:
+        return
+    store = held.store
+    store.bind(model, torch.is_grad_enabled())
+    store.runner = lambda segments: run(model, segments, params)
+    side = held.side
+    if side is not None and not all(store.holds(one.segment) for one in held_rows_of(side).exports):
+        with torch.no_grad():
+            run(model, side, params)
+
+
+def deferred_at_input(decoder: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the decoder: in a training main pass that owns held segments, or is the
+    step's last, its input through `DeferredSegments` (the owned segments' backward in this pass's)."""
+    call = ArgumentsByName.of_forward(decoder, args, kwargs)
+    held = held_rows_of(shared_prefix_plan_of(call.get("packed_seq_params")))
+    if held is None or held.mode != MAIN or not held.store.training or (held.owned is None and not held.last):
+        return None
+    hidden = call.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor):
+        raise ValueError("shared prefix: a step's held segments need the decoder's input hidden states (the first "
+                         "pipeline stage's embedding output); run them without pipeline parallelism")
+    weights = [p for p in held.store.model.parameters() if p.requires_grad]
+    call.set("hidden_states", DeferredSegments.apply(hidden, held, held.store.runner, *weights))
+    return call.done()
+
+
+def end_held_pass(plan: Any) -> None:
+    """After a forward-only main pass's decoder: the held segments it read last released."""
+    held = held_rows_of(plan)
+    if held is None or held.mode != MAIN or held.store.training or held.owned is None:
+        return
+    held.store.release(one.segment for one in held_rows_of(held.owned).exports)
