@@ -4,10 +4,19 @@ at its decoder input (in training: the segments it reads last, recomputed and ba
 backward) and the held state released after its last forward-only reader.
 
 `run` (given by the model's seams) runs the model over a plan of segments alone: a forward whose
-logical rows are none, so nothing past the decoder is computed."""
+logical rows are none, so nothing past the decoder is computed. Those passes run the model in
+evaluation mode: their rows' statistics (MoE losses and counts) are the readers' to count, and
+megatron-core's activation recompute (training only) would keep their graph from the recompute's
+gradients; the arithmetic is the training forward's (a plan refuses dropout).
+
+The step's last micro-batch carries the deferred node even with nothing to recompute (zeros for
+every parameter): megatron-core's DDP with overlap-grad-reduce counts each parameter's gradient-ready
+events in the step's last micro-batch against the first step's, and under full activation
+recompute the node's gradients are one more event per parameter."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,6 +28,27 @@ from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 Run = Callable[[Any, Any, Any], None]  # (language model, plan of segments, the main pass's params)
 
 
+@contextmanager
+def evaluating(model: Any) -> Iterator[None]:
+    """`model` in evaluation mode inside, each module's own mode restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def alone(run: Run, model: Any, params: Any) -> Callable[[Any], None]:
+    """`run` of a plan of segments on `model` (with the pass's `params`), in evaluation mode."""
+    def run_alone(segments: Any) -> None:
+        with evaluating(model):
+            run(model, segments, params)
+
+    return run_alone
+
+
 def begin_held_pass(model: Any, plan: Any, params: Any, run: Run) -> None:
     """At a pass's language-model input: a main pass binds the step's store to `model` and first runs
     its side pass (once: a recompute of the layer stack reruns the pass's call without it)."""
@@ -27,11 +57,11 @@ def begin_held_pass(model: Any, plan: Any, params: Any, run: Run) -> None:
         return
     store = held.store
     store.bind(model, torch.is_grad_enabled())
-    store.runner = lambda segments: run(model, segments, params)
+    store.runner = alone(run, model, params)
     side = held.side
     if side is not None and not all(store.holds(one.segment) for one in held_rows_of(side).exports):
         with torch.no_grad():
-            run(model, side, params)
+            store.runner(side)
 
 
 def deferred_at_input(decoder: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -62,6 +62,18 @@ def grpo_batch(groups: tuple = ((40, (5, 9, 3)),), alone: tuple = (12,), padding
     return _packed(sequences, padding, draw)
 
 
+def packed_batch(sequences: list[list[int]], padding: int = 0, vocab: int = 64, seed: int = 0) -> PackedBatch:
+    """`sequences` packed as one micro-batch, `padding` rows after them (random ids from `seed`)."""
+    gen = torch.Generator().manual_seed(seed)
+    return _packed(sequences, padding, lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist())
+
+
+def step_batches(sequences: list[list[int]], cuts: list[list[int]], padding: int = 3, seed: int = 0) -> list[PackedBatch]:
+    """One step's micro-batches: `cuts[i]` the indices of `sequences` packed in micro-batch i (each with
+    `padding` rows after its samples)."""
+    return [packed_batch([sequences[i] for i in cut], padding, seed=seed + index) for index, cut in enumerate(cuts)]
+
+
 def _packed(sequences: list[list[int]], padding: int, draw: Any) -> PackedBatch:
     flat = [t for s in sequences for t in s]
     lengths = [len(s) for s in sequences] + ([padding] if padding else [])

@@ -1,0 +1,167 @@
+"""A step's micro-batches planned together (`plan_shared_prefix_step`) on a real megatron-core
+GPTModel on CPU: a group's prompt (and a multi-turn tree's shared turns) cut over several
+micro-batches is computed once per step, held, and backpropagated once, in its last reader's
+backward. Against each micro-batch packed whole (megatron-core's `thd` packing): the log-probs,
+entropy and every gradient of the step within 1e-6 / 2e-6 in float32 and 1e-12 in float64; the
+embedding handed only the rows each pass computes; nothing held after the step. Through
+megatron-core's own schedule with DDP's overlapped gradient reduce and the distributed optimizer,
+with and without full activation recompute, over steps of different shapes (the last micro-batch
+owning a held segment, owning none, one micro-batch alone): every bucket's reduce starts on the
+gradient the packed path reduces (the deferred backward lands before it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kit.shared_prefix import TokenCount, objective, ordinary, scores, step_batches, tree_batch
+
+from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+
+pytestmark = pytest.mark.megatron
+TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+GRAD_TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
+
+
+def _draw(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _group_samples() -> list[list[int]]:
+    prompt = _draw(40, 1)
+    return [prompt + _draw(n, 10 + n) for n in (5, 9, 3, 7, 6, 4)] + [_draw(11, 99)]
+
+
+def _tree_samples() -> list[list[int]]:
+    return tree_batch(system=24, turns=((6, 8, 2), (5, 7, 3)), per_turn=True, padding=0, seed=7).sequences
+
+
+SCENARIOS = {  # name: (samples, the indices each micro-batch packs)
+    "group-over-3": (_group_samples, [[0, 1], [2, 3, 6], [4, 5]]),
+    "last-owns-nothing": (_group_samples, [[0, 1, 2], [3, 4, 5], [6]]),
+    "tree-over-3": (_tree_samples, [[0, 3, 6], [1, 4, 7], [2, 5]]),
+}
+
+
+def _model(dtype=torch.float32, **overrides):
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    config = tiny_gpt_config(num_query_groups=2, params_dtype=dtype, pipeline_dtype=dtype, **overrides)
+    return prepare_shared_prefix(build_packed_gpt(seq_length=512, seed=3, config=config).to(dtype))
+
+
+def _step(batches):
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix_step
+
+    return plan_shared_prefix_step([(b.tokens, b.cu_seqlens) for b in batches], samples=[b.samples for b in batches])
+
+
+def _held(model, batch, plan):
+    from megatron_rl_patches.shared_prefix import shared_prefix_params
+
+    return model(batch.tokens, None, None, packed_seq_params=shared_prefix_params(plan))
+
+
+def _trained(model, batches, route):
+    """(log-probs, entropy) per micro-batch and the step's gradients, each micro-batch's objective
+    backpropagated before the next micro-batch's forward (as a schedule without pipelining runs)."""
+    out = []
+    for index, (batch, one) in enumerate(zip(batches, route)):
+        log_probs, entropy = scores(one(model, batch), batch)
+        objective(log_probs, entropy, seed=index).backward()
+        out.append((log_probs.detach(), entropy.detach()))
+    return out, collect_grads(model)
+
+
+@pytest.mark.parametrize(("name", "dtype"), [(n, torch.float32) for n in SCENARIOS] + [("tree-over-3", torch.float64)])
+def test_a_step_holding_segments_equals_each_micro_batch_packed_whole(megatron_cpu, name, dtype):
+    samples, cuts = SCENARIOS[name]
+    sequences = samples()
+    batches = step_batches(sequences, cuts)
+    model = _model(dtype)
+    want, want_grads = _trained(model, batches, [ordinary] * len(batches))
+    step = _step(batches)
+    count = TokenCount(model)
+    got, grads = _trained(model, batches, [lambda m, b, p=p: _held(m, b, p) for p in step.plans])
+    count.close()
+    for (lp, ent), (want_lp, want_ent) in zip(got, want):
+        assert relative_error(lp, want_lp) < TOL[dtype] and relative_error(ent, want_ent) < TOL[dtype]
+    assert grad_error(grads, want_grads) < GRAD_TOL[dtype]
+    assert not step.store.values  # every held segment released by its owner's backward
+    # the step's trie once: each distinct leading-token sequence computed once, in a side pass or its own rows
+    trie = {tuple(s[:k + 1]) for s in sequences for k in range(len(s))}
+    assert step.stats.computed_tokens == len(trie)
+    assert sum(count.seen) == len(trie) + step.stats.recomputed_tokens + sum(p.padding_rows for p in step.plans)
+
+
+def test_a_forward_only_pass_holds_without_gradients(megatron_cpu):
+    batches = step_batches(*(lambda s, c: (s(), c))(*SCENARIOS["tree-over-3"]))
+    model = _model()
+    step = _step(batches)
+    with torch.no_grad():
+        want = [scores(ordinary(model, b), b) for b in batches]
+        got = [scores(_held(model, b, p), b) for b, p in zip(batches, step.plans)]
+    for (lp, ent), (want_lp, want_ent) in zip(got, want):
+        assert relative_error(lp, want_lp) < TOL[torch.float32] and relative_error(ent, want_ent) < TOL[torch.float32]
+    assert not step.store.values
+
+
+def _schedule_steps(held: bool, recompute: bool, steps: list) -> list:
+    """Each step's micro-batches through megatron-core's schedule on a DDP model (overlapped
+    gradient reduce, distributed optimizer): per step, every bucket's gradient when its reduce
+    started and after the step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config, wrap_ddp
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    config = tiny_gpt_config(num_query_groups=2, **extra)
+    ddp = wrap_ddp(build_packed_gpt(seq_length=512, seed=3, config=config), overlap_grad_reduce=True,
+                   use_distributed_optimizer=True, bucket_size=2000)
+    config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, None
+    prepare_shared_prefix(ddp)
+    started: list = []
+    for group in ddp.bucket_groups:  # what each bucket's reduce starts from
+        def start(*args, _start=group.start_grad_sync, _group=group, **kwargs):
+            started.append([bucket.grad_data.clone() for bucket in _group.buckets])
+            return _start(*args, **kwargs)
+        group.start_grad_sync = start
+    out = []
+    for batches in steps:
+        plans = _step(batches).plans if held else [None] * len(batches)
+
+        def forward_step(iterator, model):
+            batch, plan = next(iterator)
+            output = ordinary(model, batch) if plan is None else _held(model, batch, plan)
+
+            def loss(logits):
+                value = objective(*scores(logits, batch))
+                return value, {"objective": value.detach()}
+
+            return output, loss
+
+        ddp.zero_grad_buffer()
+        started.clear()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(list(zip(batches, plans))),
+                                    model=[ddp], num_microbatches=len(batches), seq_length=64, micro_batch_size=1,
+                                    forward_only=False)
+        ddp.finish_grad_sync()
+        out.append((sorted(started, key=lambda b: float(b[0].abs().sum())),
+                    [bucket.grad_data.clone() for buffer in ddp.buffers for bucket in buffer.buckets]))
+    return out
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "full-recompute"])
+def test_through_megatron_cores_schedule_every_reduce_starts_on_the_whole_gradient(megatron_cpu, recompute):
+    group, tree = _group_samples(), _tree_samples()
+    steps = [step_batches(group, SCENARIOS["group-over-3"][1]), step_batches(group, [[0, 1, 2, 3, 4, 5, 6]]),
+             step_batches(group, SCENARIOS["last-owns-nothing"][1]), step_batches(tree, SCENARIOS["tree-over-3"][1])]
+    want = _schedule_steps(False, recompute, steps)
+    got = _schedule_steps(True, recompute, steps)
+    for (want_started, want_grads), (got_started, got_grads) in zip(want, got):
+        assert len(got_started) == len(want_started) > 0
+        for got_buckets, want_buckets in zip(got_started, want_started):
+            assert all(relative_error(g, w) < GRAD_TOL[torch.float32] for g, w in zip(got_buckets, want_buckets))
+        assert all(relative_error(g, w) < GRAD_TOL[torch.float32] for g, w in zip(got_grads, want_grads))
