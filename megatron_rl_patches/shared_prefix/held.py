@@ -97,8 +97,9 @@ class HeldStore:
 class HeldRows:
     """What a plan of a step holds: its `held` segments' rows come from `store`, the model computes
     `computed` (virtual rows, ascending); `exports` are the segments this pass keeps for later
-    readers. A main pass (`mode` MAIN) first runs its `side` plan (the held segments it reads first),
-    and carries the `owned` plan (the held segments it reads last, recomputed in its backward);
+    readers. A main pass (`mode` MAIN) first runs its `side` plans (the held segments it reads first,
+    a pass each unit, in order), and carries the `owned` plans (the held segments it reads last,
+    recomputed in its backward, a unit at a time, the last unit first);
     `last`: the step's last micro-batch. `order` [V]: each virtual row's index in the held rows
     (in `held`'s order) followed by the computed rows."""
 
@@ -109,8 +110,8 @@ class HeldRows:
     exports: tuple[HeldSegment, ...]
     computed: torch.Tensor
     order: torch.Tensor
-    side: Any = None
-    owned: Any = None
+    side: tuple[Any, ...] = ()
+    owned: tuple[Any, ...] = ()
     last: bool = False
     recomputed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -170,9 +171,9 @@ class DeferredSegments(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         held, params = ctx.held, ctx.params
         found: list[Any] = [None] * len(params)
-        owned = held.owned
-        if owned is not None:
-            found = owned_gradients(held.store, owned, params, ctx.recompute)
+        for owned in reversed(held.owned):  # a unit's descendants (later units) first: its held state's gradient whole
+            more = owned_gradients(held.store, owned, params, ctx.recompute)
+            found = [g if m is None else m if g is None else g.add_(m) for g, m in zip(found, more)]
         zeros = [g if g is not None else torch.zeros((), dtype=dtype, device=device).expand(shape)
                  for g, (shape, dtype, device) in zip(found, ctx.shapes)]
         return (grad, None, None, *zeros)

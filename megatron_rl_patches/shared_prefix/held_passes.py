@@ -58,10 +58,10 @@ def begin_held_pass(model: Any, plan: Any, params: Any, run: Run) -> None:
     store = held.store
     store.bind(model, torch.is_grad_enabled())
     store.runner = alone(run, model, params)
-    side = held.side
-    if side is not None and not all(store.holds(one.segment) for one in held_rows_of(side).exports):
-        with torch.no_grad():
-            store.runner(side)
+    for side in held.side:  # each unit once: a recompute of the layer stack reruns this call
+        if not all(store.holds(one.segment) for one in held_rows_of(side).exports):
+            with torch.no_grad():
+                store.runner(side)
 
 
 def deferred_at_input(decoder: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -69,7 +69,7 @@ def deferred_at_input(decoder: Any, args: tuple, kwargs: dict) -> tuple[tuple, d
     step's last, its input through `DeferredSegments` (the owned segments' backward in this pass's)."""
     call = ArgumentsByName.of_forward(decoder, args, kwargs)
     held = held_rows_of(shared_prefix_plan_of(call.get("packed_seq_params")))
-    if held is None or held.mode != MAIN or not held.store.training or (held.owned is None and not held.last):
+    if held is None or held.mode != MAIN or not held.store.training or not (held.owned or held.last):
         return None
     hidden = call.get("hidden_states")
     if not isinstance(hidden, torch.Tensor):
@@ -83,6 +83,7 @@ def deferred_at_input(decoder: Any, args: tuple, kwargs: dict) -> tuple[tuple, d
 def end_held_pass(plan: Any) -> None:
     """After a forward-only main pass's decoder: the held segments it read last released."""
     held = held_rows_of(plan)
-    if held is None or held.mode != MAIN or held.store.training or held.owned is None:
+    if held is None or held.mode != MAIN or held.store.training:
         return
-    held.store.release(one.segment for one in held_rows_of(held.owned).exports)
+    for owned in held.owned:
+        held.store.release(one.segment for one in held_rows_of(owned).exports)

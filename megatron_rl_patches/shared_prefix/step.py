@@ -187,15 +187,68 @@ def _batches(micro_batches: Any, samples: Any) -> list[MicroBatch]:
     return batches
 
 
+def chunked(tree: TreeLayout, most: int | None) -> tuple[TreeLayout, list[int]]:
+    """`tree` with every segment longer than `most` rows cut into a chain of pieces of at most `most`
+    (each piece the parent of the next, the last the parent of the segment's children; the rows do not
+    move), and for each new segment the one it was cut from."""
+    lengths = tree.lengths.tolist()
+    if most is None or all(n <= most for n in lengths):
+        return tree, list(range(len(lengths)))
+    starts, parents, positions, sources, reach, origin = [], [], [], [], [], []
+    last_piece: dict[int, int] = {}
+    for segment, length in enumerate(lengths):
+        up = int(tree.parents[segment])
+        parent = last_piece[up] if up >= 0 else -1
+        for offset in range(0, max(length, 1), most):
+            starts.append(int(tree.starts[segment]) + offset)
+            parents.append(parent)
+            positions.append(int(tree.positions[segment]) + offset)
+            sources.append(int(tree.sources[segment]) + offset)
+            reach.append(int(tree.reach[segment]))
+            origin.append(segment)
+            parent = len(starts) - 1
+        last_piece[segment] = parent
+    starts_t = torch.tensor(starts, dtype=torch.int64)
+    ends = torch.cat([starts_t[1:], torch.tensor([tree.rows])])
+    parents_t = torch.tensor(parents, dtype=torch.int64)
+    depths = torch.zeros(len(starts), dtype=torch.int64)
+    for index, up in enumerate(parents):  # parents come first: depth is theirs plus one
+        depths[index] = 0 if up < 0 else depths[up] + 1
+    return TreeLayout(starts=starts_t, lengths=ends - starts_t, parents=parents_t, depths=depths,
+                      positions=torch.tensor(positions, dtype=torch.int64),
+                      sources=torch.tensor(sources, dtype=torch.int64), reach=torch.tensor(reach, dtype=torch.int64),
+                      tops=tree.tops, logical_rows=tree.logical_rows), origin
+
+
+def units(tree: TreeLayout, segments: set[int], most: int | None) -> list[set[int]]:
+    """`segments` in preorder, cut into runs of at most `most` rows (each a pass of its own)."""
+    out: list[set[int]] = []
+    rows = 0
+    for segment in sorted(segments):
+        length = int(tree.lengths[segment])
+        if not out or (most is not None and rows + length > most):
+            out.append(set())
+            rows = 0
+        out[-1].add(segment)
+        rows += length
+    return out
+
+
 def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[int] | None = None,
-                            pad_to: int = 1, min_shared: int = 1, levels: int | None = None) -> SharedPrefixStep:
+                            pad_to: int = 1, min_shared: int = 1, levels: int | None = None,
+                            max_tokens: int | None = None) -> SharedPrefixStep:
     """The shared-prefix plans of one step's micro-batches, `micro_batches[i]` = (tokens [T_i] or
     [1, T_i], cu_seqlens [n_i + 1]) packed as for `plan_shared_prefix` (`samples[i]`: how many of its
-    sequences are samples; `pad_to`, `min_shared`, `levels` as there, over the step's samples)."""
+    sequences are samples; `pad_to`, `min_shared`, `levels` as there, over the step's samples).
+    `max_tokens`: the most rows any one forward computes (the micro-batch budget): a segment longer
+    is cut into chunks, each continuing the one before, and a micro-batch whose own rows exceed it
+    holds its largest segments (side pass, recompute) until they fit."""
     batches = _batches(micro_batches, samples)
     pad_to, min_shared = _count("pad_to", pad_to, 1), _count("min_shared", min_shared, 1)
     if levels is not None:
         _count("levels", levels, 1)
+    if max_tokens is not None:
+        _count("max_tokens", max_tokens, 1)
     pieces, starts, ends, owner = [], [], [], []
     at = 0
     for index, batch in enumerate(batches):
@@ -206,7 +259,7 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
             ends.append(at)
             owner.append(index)
     ids = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
-    tree = tree_layout(ids, starts, ends, min_shared, levels)
+    tree, origin = chunked(tree_layout(ids, starts, ends, min_shared, levels), max_tokens)
     segment_of_row = run_of(tree.lengths)
     token_batch = torch.repeat_interleave(torch.tensor(owner, dtype=torch.int64),
                                           torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.int64))
@@ -214,35 +267,47 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
     readers: list[set[int]] = [set() for _ in range(tree.lengths.numel())]
     for segment, batch in torch.unique(torch.stack([token_segment, token_batch]), dim=1).t().tolist():
         readers[segment].add(batch)
-    shared = {s for s, who in enumerate(readers) if len(who) > 1}
+    # held: read by two or more micro-batches, or a piece before the last of a cut segment
+    held = {s for s, who in enumerate(readers) if len(who) > 1}
+    held |= {s for s in range(len(origin) - 1) if origin[s + 1] == origin[s] and int(tree.parents[s + 1]) == s}
+    token_at = 0
+    mine: list[torch.Tensor] = []
+    for batch in batches:
+        count = sum(e - s for s, e in zip(batch.starts, batch.ends))
+        mine.append(torch.unique(token_segment[token_at:token_at + count]))
+        token_at += count
+    if max_tokens is not None:  # a micro-batch's own rows past the budget: its largest segments held
+        for kept in mine:
+            own = sorted((s for s in kept.tolist() if s not in held), key=lambda s: -int(tree.lengths[s]))
+            rows = sum(int(tree.lengths[s]) for s in own)
+            while own and rows + pad_to > max_tokens:
+                largest = own.pop(0)
+                held.add(largest)
+                rows -= int(tree.lengths[largest])
     store = HeldStore()
     plans = []
     token_at = 0
     computed_tokens = recomputed = 0
-    for index, batch in enumerate(batches):
-        count = batch.ends[-1] - batch.starts[0] if batch.samples else 0
-        mine_tokens = slice(token_at, token_at + sum(e - s for s, e in zip(batch.starts, batch.ends)))
-        token_at = mine_tokens.stop
-        kept = torch.unique(token_segment[mine_tokens])
+    for index, (batch, kept) in enumerate(zip(batches, mine)):
+        count = sum(e - s for s, e in zip(batch.starts, batch.ends))
         layout = forest(tree, kept)
-        plan = plan_of_layout(batch, _layout_of(tree, layout, batch, tree.logical_rows[mine_tokens],
+        read = {s for s in kept.tolist() if s in held}
+        plan = plan_of_layout(batch, _layout_of(tree, layout, batch, tree.logical_rows[token_at:token_at + count],
                                                 segment_of_row, kept), pad_to,
-                              held_rows=sum(int(tree.lengths[s]) for s in kept.tolist() if s in shared))
-        del count
-        held = {s for s in kept.tolist() if s in shared}
-        first = {s for s in held if min(readers[s]) == index}
-        last = {s for s in held if max(readers[s]) == index}
-        rows = held_rows(store, MAIN, index, layout, held, set(), plan.physical_length)
-        rows.side = segment_plan(tree, ids, first, store, SIDE, index, pad_to) if first else None
-        rows.owned = segment_plan(tree, ids, last, store, RECOMPUTE, index, pad_to) if last else None
+                              held_rows=sum(int(tree.lengths[s]) for s in read))
+        token_at += count
+        first = units(tree, {s for s in read if min(readers[s]) == index}, max_tokens)
+        last = units(tree, {s for s in read if max(readers[s]) == index}, max_tokens)
+        rows = held_rows(store, MAIN, index, layout, read, set(), plan.physical_length)
+        rows.side = tuple(segment_plan(tree, ids, one, store, SIDE, index, pad_to) for one in first)
+        rows.owned = tuple(segment_plan(tree, ids, one, store, RECOMPUTE, index, pad_to) for one in last)
         rows.last = index == len(batches) - 1
         plan.held = rows
         plans.append(plan)
-        computed_tokens += plan.stats.physical_tokens - rows.held_rows + (
-            0 if rows.side is None else rows.side.stats.physical_tokens)
-        recomputed += 0 if rows.owned is None else rows.owned.stats.physical_tokens
+        computed_tokens += plan.stats.physical_tokens - rows.held_rows + sum(p.stats.physical_tokens for p in rows.side)
+        recomputed += sum(p.stats.physical_tokens for p in rows.owned)
     stats = StepStats(micro_batches=len(batches), logical_tokens=int(ids.numel()), computed_tokens=computed_tokens,
-                      recomputed_tokens=recomputed, held_tokens=sum(int(tree.lengths[s]) for s in shared))
+                      recomputed_tokens=recomputed, held_tokens=sum(int(tree.lengths[s]) for s in held))
     return SharedPrefixStep(plans=tuple(plans), store=store, stats=stats)
 
 

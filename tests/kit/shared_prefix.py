@@ -68,7 +68,8 @@ def packed_batch(sequences: list[list[int]], padding: int = 0, vocab: int = 64, 
     return _packed(sequences, padding, lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist())
 
 
-def step_batches(sequences: list[list[int]], cuts: list[list[int]], padding: int = 3, seed: int = 0) -> list[PackedBatch]:
+def step_batches(sequences: list[list[int]], cuts: list[list[int]], padding: int = 3,
+                 seed: int = 0) -> list[PackedBatch]:
     """One step's micro-batches: `cuts[i]` the indices of `sequences` packed in micro-batch i (each with
     `padding` rows after its samples)."""
     return [packed_batch([sequences[i] for i in cut], padding, seed=seed + index) for index, cut in enumerate(cuts)]

@@ -50,10 +50,11 @@ def _model(dtype=torch.float32, **overrides):
     return prepare_shared_prefix(build_packed_gpt(seq_length=512, seed=3, config=config).to(dtype))
 
 
-def _step(batches):
+def _step(batches, **kwargs):
     from megatron_rl_patches.shared_prefix import plan_shared_prefix_step
 
-    return plan_shared_prefix_step([(b.tokens, b.cu_seqlens) for b in batches], samples=[b.samples for b in batches])
+    return plan_shared_prefix_step([(b.tokens, b.cu_seqlens) for b in batches], samples=[b.samples for b in batches],
+                                   **kwargs)
 
 
 def _held(model, batch, plan):
@@ -94,6 +95,29 @@ def test_a_step_holding_segments_equals_each_micro_batch_packed_whole(megatron_c
     assert sum(count.seen) == len(trie) + step.stats.recomputed_tokens + sum(p.padding_rows for p in step.plans)
 
 
+def _long_samples() -> list[list[int]]:
+    prompt = _draw(30, 2)
+    return [_draw(150, 3), _draw(9, 4), prompt + _draw(20, 5), prompt + _draw(12, 6), prompt + _draw(25, 7)]
+
+
+@pytest.mark.parametrize(("cuts", "budget"), [([[0, 1], [2, 3, 4]], 50), ([[1, 2], [0, 3, 4]], 40)],
+                         ids=["long-then-group", "group-cut-long-inside"])
+def test_a_budget_bounds_every_forward_and_a_long_sample_trains_in_chunks(megatron_cpu, cuts, budget):
+    sequences = _long_samples()  # one sample 3x the budget and more, a group whose prompt and members exceed it
+    batches = step_batches(sequences, cuts)
+    model = _model()
+    want, want_grads = _trained(model, batches, [ordinary] * len(batches))
+    step = _step(batches, max_tokens=budget)
+    count = TokenCount(model)
+    got, grads = _trained(model, batches, [lambda m, b, p=p: _held(m, b, p) for p in step.plans])
+    count.close()
+    for (lp, ent), (want_lp, want_ent) in zip(got, want):
+        assert relative_error(lp, want_lp) < TOL[torch.float32] and relative_error(ent, want_ent) < TOL[torch.float32]
+    assert grad_error(grads, want_grads) < GRAD_TOL[torch.float32]
+    assert max(count.seen) <= budget and len(count.seen) > len(batches)  # every forward within the budget
+    assert not step.store.values
+
+
 def test_a_forward_only_pass_holds_without_gradients(megatron_cpu):
     batches = step_batches(*(lambda s, c: (s(), c))(*SCENARIOS["tree-over-3"]))
     model = _model()
@@ -112,7 +136,7 @@ def _schedule_steps(held: bool, recompute: bool, steps: list) -> list:
     started and after the step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config, wrap_ddp
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
 
