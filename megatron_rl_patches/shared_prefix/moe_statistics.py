@@ -63,6 +63,7 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
     module_share,
     taken,
 )
+from megatron_rl_patches.shared_prefix.held import MAIN, HeldRows, held_rows_of, whole_stream
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, physical_readers, shared_prefix_plan_of
 
 # not an argument: megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params;
@@ -178,6 +179,53 @@ def _context_parallel_routing(cls: Any, router: Any, flat: torch.Tensor, plan: S
     return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
 
+def _held_routing(cls: Any, router: Any, logits: torch.Tensor, plan: SharedPrefixPlan, held: HeldRows) -> Any:
+    """`cls.routing` under a step's held segments: the held rows' logits (one row of E numbers a token,
+    kept by the pass that computed them) put back beside this pass's; a main pass counting statistics
+    routes its logical rows as without holding, a side pass or a recompute routes its own rows per
+    token and counts nothing (the readers count the segment's rows, once per sample)."""
+    rows = logits.shape[0] * logits.shape[1]
+    flat = logits.reshape(rows, logits.shape[-1])
+    computed = held.computed.numel()
+    count, rank, group = 1, 0, None
+    if rows != computed:
+        from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+        count = parallel_state.get_tensor_model_parallel_world_size()
+        if not getattr(router.config, "sequence_parallel", False) or rows * count != computed:
+            raise ValueError(f"shared prefix: the router sees {rows} rows, the rows this pass computes {computed}: a "
+                             "router's statistics are counted on the whole stream or on its sequence-parallel share")
+        rank, group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
+    from megatron.core import tensor_parallel  # lazy: optional dependency megatron-core
+
+    whole = flat if count == 1 else tensor_parallel.gather_from_sequence_parallel_region(flat, group=group)
+    virtual = whole_stream(plan, whole, "router-logits", router)  # held rows back; a side pass keeps its own
+    statistics = held.mode == MAIN and router.training and counts_statistics(router)
+    if not statistics:
+        counts = router.local_tokens_per_expert
+        before = None if counts is None or held.mode == MAIN else counts.clone()
+        out = cls.routing(router, logits)
+        if before is not None:  # a recompute's rows are counted by their readers
+            counts.copy_(before)
+        return out
+    if router.routing_type == "sinkhorn":
+        raise ValueError("shared prefix: Sinkhorn load balancing in training is not taken with segments held across "
+                         "micro-batches (it balances each micro-batch's rows together); plan each micro-batch on its "
+                         "own (plan_shared_prefix)")
+    logical = plan.on(flat.device, "logical_rows")
+    share = logical.numel() // count
+    probs, routing_map = cls.routing(router, virtual.index_select(0, logical[rank * share:(rank + 1) * share])
+                                     .unsqueeze(1))
+    if count > 1:
+        probs = tensor_parallel.gather_from_sequence_parallel_region(probs, group=group)
+        with torch.no_grad():  # gloo gathers no bool: the routing map as bytes
+            routing_map = tensor_parallel.gather_from_sequence_parallel_region(routing_map.to(torch.uint8),
+                                                                               group=group).bool()
+    reader = plan.cached(("held-readers", str(probs.device)), lambda: physical_readers(plan, probs.device)
+                         .index_select(0, held.computed.to(probs.device)))[rank * rows:(rank + 1) * rows]
+    return probs.index_select(0, reader), routing_map.index_select(0, reader)
+
+
 class PlannedRouter:
     """The mark of a router whose class `planned_router_class` made."""
 
@@ -189,6 +237,12 @@ def planned_router_class(cls: Any) -> type:
     def routing(self: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         params = LAYER_PARAMS.get()
         plan = shared_prefix_plan_of(params)
+        held = held_rows_of(plan)
+        if held is not None:
+            if module_share(self, plan, params) is not None:
+                raise ValueError("shared prefix: segments held across micro-batches are not yet run at context "
+                                 "parallelism; plan each micro-batch on its own (plan_shared_prefix)")
+            return _held_routing(cls, self, logits, plan, held)
         if plan is None or not self.training or not counts_statistics(self):
             return cls.routing(self, logits, *args, **kwargs)
         if args or kwargs.get("padding_mask") is not None:

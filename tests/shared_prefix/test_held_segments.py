@@ -189,3 +189,38 @@ def test_through_megatron_cores_schedule_every_reduce_starts_on_the_whole_gradie
         for got_buckets, want_buckets in zip(got_started, want_started):
             assert all(relative_error(g, w) < GRAD_TOL[torch.float32] for g, w in zip(got_buckets, want_buckets))
         assert all(relative_error(g, w) < GRAD_TOL[torch.float32] for g, w in zip(got_grads, want_grads))
+
+
+@pytest.mark.parametrize("statistic", ["aux-loss", "seq-aux-loss", "global-aux-loss", "z-loss", "expert-bias"])
+def test_moe_statistics_count_a_held_segments_rows_in_every_micro_batch_that_reads_them(
+        megatron_cpu, moe_router_on_cpu, statistic):
+    from kit.moe_statistics import STATISTICS, read_statistics, reset_statistics
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    if statistic == "global-aux-loss" and not hasattr(TopKRouter, "reset_global_aux_loss_tracker"):
+        pytest.skip("this megatron-core has no global_aux_loss (0.13)")
+    batches = step_batches(_group_samples(), SCENARIOS["group-over-3"][1], padding=0)
+    model = prepare_shared_prefix(build_packed_gpt(seq_length=512, seed=5,
+                                                   config=tiny_moe_config(**STATISTICS[statistic])))
+    results = []
+    for route in ([ordinary] * len(batches), [lambda m, b, p=p: _held(m, b, p) for p in _step(batches).plans]):
+        before = reset_statistics(model)
+        model.train()
+        scored, grads = _trained(model, batches, route)
+        results.append((scored, grads, read_statistics(model, before)))
+    (want, want_grads, want_stats), (got, grads, stats) = results
+    assert all(relative_error(g[0], w[0]) < TOL[torch.float32] for g, w in zip(got, want))
+    assert grad_error(grads, want_grads) < GRAD_TOL[torch.float32]
+    assert sorted(stats["losses"]) == sorted(want_stats["losses"])
+    for name, values in want_stats["losses"].items():
+        assert relative_error(stats["losses"][name], values) < TOL[torch.float32], name
+    assert all(torch.equal(c, w) for c, w in zip(stats["counts"], want_stats["counts"]))
+    assert all(torch.equal(b, w) for b, w in zip(stats["bias"], want_stats["bias"]))
+    if statistic == "expert-bias":
+        assert int(sum(c.sum() for c in want_stats["counts"])) == 2 * 2 * sum(b.tokens.numel() for b in batches)
+    else:
+        assert any(v.abs().sum() > 0 for v in want_stats["losses"].values())
