@@ -154,11 +154,12 @@ def rule_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def share_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan,
-                           held: torch.Tensor, scale: float, dropout: float, window: int | None = None,
-                           sink: torch.Tensor | None = None) -> torch.Tensor:
-    """Query rows `held` (a context-parallel rank's, or the rows a step computes) against the whole
-    stream through scaled dot-product attention under the rule's mask (a sink as in
-    `rule_masked_attention`): [s_local, b, h, d]."""
+                           share: tuple[int, int] | torch.Tensor, scale: float, dropout: float,
+                           window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """A context-parallel rank's query rows (`share`: (size, rank)), or the rows a step computes
+    (`share`: those rows), against the whole stream through scaled dot-product attention under the
+    rule's mask (a sink as in `rule_masked_attention`): [s_local, b, h, d]."""
+    held = share if isinstance(share, torch.Tensor) else physical_share(plan, *share)
     q, k, v = heads_first(query, key, value)
     k, v = kv_heads_repeated(k, q.size(1), WHO), kv_heads_repeated(v, q.size(1), WHO)
 

@@ -146,12 +146,26 @@ def whole_stream(plan: Any, rows: torch.Tensor, role: str, module: Any) -> torch
     whole = rows if not pieces else torch.cat([*pieces, rows]).index_select(
         0, plan.cached(("held-order", str(rows.device)), lambda: held.order.to(rows.device)))
     for one in held.exports:
-        part = whole[one.start:one.end]
-        if held.mode == RECOMPUTE:  # the recompute's own graph: backpropagated with the gradient held
-            held.recomputed.append((part, held.store.get(one.segment, (role, module))))
-        else:
-            held.store.put(one.segment, (role, module), part)
+        keep_state(plan, one.segment, role, module, whole[one.start:one.end])
     return whole
+
+
+def held_state(plan: Any, segment: int, role: str, module: Any) -> torch.Tensor:
+    """What held step segment `segment` handed its continuation under `role` in `module` (a leaf)."""
+    held = held_rows_of(plan)
+    assert held is not None
+    return held.store.get(segment, (role, module))
+
+
+def keep_state(plan: Any, segment: int, role: str, module: Any, value: torch.Tensor) -> None:
+    """`value` kept as what step segment `segment` hands its continuation under `role` in `module`
+    (a side pass's for the readers; a recompute's, backpropagated with the gradient the readers gave)."""
+    held = held_rows_of(plan)
+    assert held is not None
+    if held.mode == RECOMPUTE:
+        held.recomputed.append((value, held.store.get(segment, (role, module))))
+    else:
+        held.store.put(segment, (role, module), value)
 
 
 class DeferredSegments(torch.autograd.Function):

@@ -224,3 +224,42 @@ def test_moe_statistics_count_a_held_segments_rows_in_every_micro_batch_that_rea
         assert int(sum(c.sum() for c in want_stats["counts"])) == 2 * 2 * sum(b.tokens.numel() for b in batches)
     else:
         assert any(v.abs().sum() > 0 for v in want_stats["losses"].values())
+
+
+def _each_alone(model, batch):
+    """Logits [1, rows, V] of the sample rows, each sample run on its own (no packing)."""
+    bounds = batch.cu_seqlens.tolist()
+    return torch.cat([model(batch.tokens[:, a:b], torch.arange(b - a)[None], None)
+                      for a, b in zip(bounds[:batch.samples], bounds[1:batch.samples + 1])], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_gated_delta_nets_continue_a_held_segments_state_and_window(megatron_cpu, dtype):
+    """megatron-core's GatedDeltaNet (3 of 4 layers): a prompt of 70 rows (across its 64-row chunk)
+    and one of 2 (shorter than the 3-row window) cut over micro-batches, a sample 2.5x the budget in
+    chunks: against each sample run alone (megatron-core's GatedDeltaNet refuses packed input)."""
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+    from megatron_rl_patches.testing.gdn_gpt import (
+        build_gated_delta_net_gpt,
+        gated_delta_net_on_cpu,
+        megatron_gated_delta_net_served,
+        sequential_gated_delta_rule,
+        tiny_gated_delta_net_config,
+    )
+
+    if not megatron_gated_delta_net_served():
+        pytest.skip("megatron-core's GatedDeltaNet is not 0.16's megatron.core.ssm.gated_delta_net")
+    long, short = _draw(70 if dtype == torch.float32 else 20, 8), _draw(2, 9)
+    sequences = [long + _draw(n, 20 + n) for n in (5, 1, 3)] + [short + _draw(n, 30 + n) for n in (6, 4)]
+    sequences.append(_draw(50, 40))
+    batches = step_batches(sequences, [[0, 3], [1, 4, 5], [2]], padding=0)
+    with gated_delta_net_on_cpu(sequential_gated_delta_rule if dtype == torch.float64 else None):
+        config = tiny_gated_delta_net_config(params_dtype=dtype, pipeline_dtype=dtype)
+        model = prepare_shared_prefix(build_gated_delta_net_gpt(config, seed=4).to(dtype))
+        want, want_grads = _trained(model, batches, [_each_alone] * len(batches))
+        step = _step(batches, max_tokens=20 if dtype == torch.float64 else 40)
+        got, grads = _trained(model, batches, [lambda m, b, p=p: _held(m, b, p) for p in step.plans])
+    assert all(relative_error(g[0], w[0]) < GRAD_TOL[dtype] for g, w in zip(got, want))
+    floor = GRAD_TOL[dtype] if dtype == torch.float32 else 1e-7  # megatron-core's float32 casts of alpha and gate
+    assert grad_error(grads, want_grads) < floor
+    assert step.stats.held_tokens > len(long) and not step.store.values
