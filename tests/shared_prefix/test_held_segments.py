@@ -263,3 +263,21 @@ def test_gated_delta_nets_continue_a_held_segments_state_and_window(megatron_cpu
     floor = GRAD_TOL[dtype] if dtype == torch.float32 else 1e-7  # megatron-core's float32 casts of alpha and gate
     assert grad_error(grads, want_grads) < floor
     assert step.stats.held_tokens > len(long) and not step.store.values
+
+
+@pytest.mark.parametrize(("rope_type", "dtype"), [("yarn", torch.float32), ("rope", torch.float64)])
+def test_multi_latent_attention_reads_a_held_segments_keys_at_their_own_positions(megatron_cpu, rope_type, dtype):
+    from kit.latent_gpt import build_mla_gpt, mla_takes_packed_input, tiny_mla_config
+
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+
+    if not mla_takes_packed_input():
+        pytest.skip("this megatron-core's MLA does not run packed input on CPU (0.13)")
+    batches = step_batches(_group_samples(), SCENARIOS["group-over-3"][1])
+    model = prepare_shared_prefix(build_mla_gpt(tiny_mla_config(rope_type, dtype)))
+    want, want_grads = _trained(model, batches, [ordinary] * len(batches))
+    step = _step(batches, max_tokens=30)
+    got, grads = _trained(model, batches, [lambda m, b, p=p: _held(m, b, p) for p in step.plans])
+    assert all(relative_error(g[0], w[0]) < TOL[dtype] for g, w in zip(got, want))
+    assert grad_error(grads, want_grads) < GRAD_TOL[dtype]
+    assert any("linear_kv_down_proj" in name for name in grads) and not step.store.values
