@@ -174,7 +174,7 @@ class DeferredSegments(torch.autograd.Function):
     module), their parameters' gradients returned as this node's."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, held: HeldRows, recompute: Callable[[Any], None],
+    def forward(ctx: Any, hidden: torch.Tensor, held: HeldRows, recompute: Callable[[Any], Any],
                 *params: torch.Tensor) -> torch.Tensor:
         ctx.held, ctx.recompute = held, recompute
         ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
@@ -194,22 +194,26 @@ class DeferredSegments(torch.autograd.Function):
 
 
 def owned_gradients(store: HeldStore, owned: Any, params: tuple[torch.Tensor, ...],
-                    recompute: Callable[[Any], None]) -> list[Any]:
+                    recompute: Callable[[Any], Any]) -> list[Any]:
     """The owned segments recomputed with gradients (`recompute(plan)` runs the model over `owned`,
-    its held ancestors read from `store`) and backpropagated from their held state's summed
-    gradients: the parameters' gradients (None where none reached one); each held ancestor's
-    gradient added to its leaf's; the owned segments released."""
+    its held ancestors read from `store`, and returns its output, of no row) and backpropagated from
+    their held state's summed gradients: the parameters' gradients (None where none reached one);
+    each held ancestor's gradient added to its leaf's; the owned segments released. A pass with
+    nothing to backpropagate (an empty pass agreed with ranks that have one) backpropagates zeros
+    from its output, through every layer, so its collectives meet theirs."""
     held = held_rows_of(owned)
     assert held is not None and held.mode == RECOMPUTE
     held.recomputed.clear()
     with torch.enable_grad():
-        recompute(owned)
+        output = recompute(owned)
     outputs, grads = [], []
     for part, leaf in held.recomputed:
         if leaf.grad is not None:
             outputs.append(part)
             grads.append(leaf.grad.to(part.dtype))
     held.recomputed.clear()
+    if not outputs and isinstance(output, torch.Tensor) and output.requires_grad:
+        outputs, grads = [output], [torch.zeros_like(output)]
     ancestors = [leaf for one in held.held for _, leaf in store.items(one.segment)]
     found: list[Any] = [None] * len(params)
     if outputs:

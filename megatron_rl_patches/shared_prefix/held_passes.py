@@ -25,7 +25,7 @@ from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.shared_prefix.held import MAIN, DeferredSegments, held_rows_of
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 
-Run = Callable[[Any, Any, Any], None]  # (language model, plan of segments, the main pass's params)
+Run = Callable[[Any, Any, Any], Any]  # (language model, plan of segments, the main pass's params) -> its output
 
 
 @contextmanager
@@ -40,11 +40,11 @@ def evaluating(model: Any) -> Iterator[None]:
             module.training = training
 
 
-def alone(run: Run, model: Any, params: Any) -> Callable[[Any], None]:
+def alone(run: Run, model: Any, params: Any) -> Callable[[Any], Any]:
     """`run` of a plan of segments on `model` (with the pass's `params`), in evaluation mode."""
-    def run_alone(segments: Any) -> None:
+    def run_alone(segments: Any) -> Any:
         with evaluating(model):
-            run(model, segments, params)
+            return run(model, segments, params)
 
     return run_alone
 

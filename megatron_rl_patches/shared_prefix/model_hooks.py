@@ -180,10 +180,8 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
             raise ValueError(f"shared prefix: token id {int(plan.tokens.min())} is negative: the model's ids are 0 "
                              f"to {vocab - 1}")
         if held_rows_of(plan) is not None:
-            if share is not None:
-                raise ValueError("shared prefix: segments held across micro-batches are not yet run at context "
-                                 "parallelism; plan each micro-batch on its own (plan_shared_prefix)")
             begin_held_pass(module, plan, params, run_segments)
+        if held_rows_of(plan) is not None and share is None:
             call.set("input_ids", computed(plan, "tokens", ids.device)[None])
             call.set("position_ids", computed(plan, "positions", ids.device)[None])
         elif share is None:
@@ -198,12 +196,13 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return call.done()
 
 
-def run_segments(model: Any, plan: SharedPrefixPlan, like: Any) -> None:
+def run_segments(model: Any, plan: SharedPrefixPlan, like: Any) -> Any:
     """`model` (a prepared language model) over a plan of a step's segments alone, with the route and
-    layout of the pass's params `like`: no logical rows, so nothing past the decoder is computed."""
+    layout of the pass's params `like`: no logical rows, so nothing past the decoder is computed (its
+    output holds no row)."""
     device = next(model.parameters()).device
-    model(torch.empty(1, 0, dtype=torch.int64, device=device), None, None,
-          packed_seq_params=shared_prefix_params(plan, route=like.route, cp_layout=like.cp_layout))
+    return model(torch.empty(1, 0, dtype=torch.int64, device=device), None, None,
+                 packed_seq_params=shared_prefix_params(plan, route=like.route, cp_layout=like.cp_layout))
 
 
 def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -257,11 +256,11 @@ def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     if held is None:
         whole = whole_stream(plan, hidden, "output", module)  # with the held segments' rows, where a step holds some
         rows = whole.index_select(0, plan.on(hidden.device, "logical_rows"))
-        end_held_pass(plan)
     else:  # every rank's physical rows, read at this rank's logical rows
         share, group = held
-        whole = gathered_stream(hidden, plan, share, group)
+        whole = whole_stream(plan, gathered_stream(hidden, plan, share, group), "output", module)
         rows = whole.index_select(0, taken(plan, share, "logical_rows", "logical", whole.device))
+    end_held_pass(plan)
     if tp > 1:
         rows = tensor_parallel.scatter_to_sequence_parallel_region(rows)
     return rows
@@ -332,7 +331,7 @@ def shared_prefix_core_class(cls: Any) -> type:
                                        window=layer_window(config, getattr(self, "layer_number", 1)),
                                        sink=attention_sink(self),
                                        share=None if held is None else (held[0].size, held[0].rank),
-                                       query_rows=None if step is None else step.computed)
+                                       query_rows=None if step is None or held is not None else step.computed)
 
     return type(f"SharedPrefix{cls.__name__}", (cls, SharedPrefixCore),
                 {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.ops.agreement import gathered_objects
 from megatron_rl_patches.shared_prefix.held import MAIN, RECOMPUTE, SIDE, HeldRows, HeldSegment, HeldStore
 from megatron_rl_patches.shared_prefix.plan import (
     MicroBatch,
@@ -133,7 +134,7 @@ def segment_plan(tree: TreeLayout, ids: torch.Tensor, segments: set[int], store:
     layout = forest(tree, kept)
     ancestors = set(kept.tolist()) - segments
     held_length = sum(int(tree.lengths[s]) for s in ancestors)
-    padding = (-(layout.rows - held_length)) % pad_to
+    padding = (-(layout.rows - held_length)) % pad_to if segments else pad_to  # an empty pass: padding alone
     rows = layout.rows + padding
     lengths = torch.cat([layout.lengths, torch.tensor([padding])]) if padding else layout.lengths
     starts = lengths.cumsum(0) - lengths
@@ -236,13 +237,17 @@ def units(tree: TreeLayout, segments: set[int], most: int | None) -> list[set[in
 
 def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[int] | None = None,
                             pad_to: int = 1, min_shared: int = 1, levels: int | None = None,
-                            max_tokens: int | None = None) -> SharedPrefixStep:
+                            max_tokens: int | None = None, group: Any = None) -> SharedPrefixStep:
     """The shared-prefix plans of one step's micro-batches, `micro_batches[i]` = (tokens [T_i] or
     [1, T_i], cu_seqlens [n_i + 1]) packed as for `plan_shared_prefix` (`samples[i]`: how many of its
     sequences are samples; `pad_to`, `min_shared`, `levels` as there, over the step's samples).
     `max_tokens`: the most rows any one forward computes (the micro-batch budget): a segment longer
     is cut into chunks, each continuing the one before, and a micro-batch whose own rows exceed it
-    holds its largest segments (side pass, recompute) until they fit."""
+    holds its largest segments (side pass, recompute) until they fit. `group`: ranks whose forwards run
+    collectives together while holding other samples (the expert-parallel group: MoE dispatch): their
+    passes are agreed (each micro-batch's side passes and recomputes as many on every rank, a pass of
+    padding where a rank has fewer), an all-gather over it; TP and CP ranks hold the same samples and
+    need none."""
     batches = _batches(micro_batches, samples)
     pad_to, min_shared = _count("pad_to", pad_to, 1), _count("min_shared", min_shared, 1)
     if levels is not None:
@@ -288,6 +293,10 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
     plans = []
     token_at = 0
     computed_tokens = recomputed = 0
+    passes = [(len(units(tree, {s for s in kept.tolist() if s in held and min(readers[s]) == i}, max_tokens)),
+               len(units(tree, {s for s in kept.tolist() if s in held and max(readers[s]) == i}, max_tokens)))
+              for i, kept in enumerate(mine)]
+    agreed = _agreed_passes(group, passes)
     for index, (batch, kept) in enumerate(zip(batches, mine)):
         count = sum(e - s for s, e in zip(batch.starts, batch.ends))
         layout = forest(tree, kept)
@@ -299,6 +308,8 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
         first = units(tree, {s for s in read if min(readers[s]) == index}, max_tokens)
         last = units(tree, {s for s in read if max(readers[s]) == index}, max_tokens)
         rows = held_rows(store, MAIN, index, layout, read, set(), plan.physical_length)
+        first += [set() for _ in range(agreed[index][0] - len(first))]  # empty passes: as many as every rank
+        last += [set() for _ in range(agreed[index][1] - len(last))]
         rows.side = tuple(segment_plan(tree, ids, one, store, SIDE, index, pad_to) for one in first)
         rows.owned = tuple(segment_plan(tree, ids, one, store, RECOMPUTE, index, pad_to) for one in last)
         rows.last = index == len(batches) - 1
@@ -309,6 +320,17 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
     stats = StepStats(micro_batches=len(batches), logical_tokens=int(ids.numel()), computed_tokens=computed_tokens,
                       recomputed_tokens=recomputed, held_tokens=sum(int(tree.lengths[s]) for s in held))
     return SharedPrefixStep(plans=tuple(plans), store=store, stats=stats)
+
+
+def _agreed_passes(group: Any, passes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each micro-batch's (side passes, recomputes), the most any rank of `group` runs (None: these)."""
+    if group is None:
+        return passes
+    every = [list(map(tuple, p)) for p in gathered_objects(group, passes)]  # type: ignore[call-overload]
+    if len({len(p) for p in every}) > 1:
+        raise ValueError(f"{NAME}: the ranks of group plan steps of {sorted({len(p) for p in every})} micro-batches; "
+                         "every rank of a group whose forwards run collectives together runs the same number")
+    return [(max(p[i][0] for p in every), max(p[i][1] for p in every)) for i in range(len(passes))]
 
 
 def _layout_of(tree: TreeLayout, layout: Forest, batch: MicroBatch, step_rows: torch.Tensor,
