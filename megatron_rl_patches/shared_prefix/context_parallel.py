@@ -95,8 +95,9 @@ def share_of(plan: SharedPrefixPlan, size: int, rank: int, layout: str) -> Share
         bounds = plan.sequence_bounds
         if int(bounds[-1]) < plan.logical_length:  # rows past the last boundary: one more sequence
             bounds = torch.cat([bounds, torch.tensor([plan.logical_length])])
-        try:
-            logical = local_rows(layout, rank, size, cu_seqlens=bounds)
+        try:  # a step's side pass or recompute has no logical rows
+            logical = local_rows(layout, rank, size, cu_seqlens=bounds) if plan.logical_length \
+                else torch.empty(0, dtype=torch.int64)
         except ValueError as exc:
             raise ValueError(f"shared prefix: the micro-batch cannot be cut over {size} context-parallel ranks in "
                              f"the {layout} layout: {exc}") from None

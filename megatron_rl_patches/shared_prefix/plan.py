@@ -208,9 +208,10 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
 
 
 def plan_of_layout(batch: MicroBatch, tree: TreeLayout, pad_to: int = 1, hints: list[Any] | None = None,
-                   held_rows: int = 0) -> SharedPrefixPlan:
+                   held_rows: int = 0, at_least: int = 0) -> SharedPrefixPlan:
     """The plan of `batch` laid out as `tree` (its samples' segments), padded so that the rows the
-    model computes (all but `held_rows`, which a step's held segments hold) are a multiple of `pad_to`."""
+    model computes (all but `held_rows`, which a step's held segments hold) are a multiple of `pad_to`,
+    and `at_least` that many (a step's ranks that compute their passes together)."""
     ids, bounds, samples = batch.ids, batch.bounds, batch.samples
     ends = batch.ends
     pad_to = bounded_pad_to(pad_to, ids.numel())
@@ -219,6 +220,9 @@ def plan_of_layout(batch: MicroBatch, tree: TreeLayout, pad_to: int = 1, hints: 
     logical_padding = ids.numel() - (ends[-1] if ends else 0)
     needed = 1 if logical_padding else 0  # the row every logical padding row reads
     padding = needed + (-(physical - held_rows + needed)) % pad_to
+    if physical - held_rows + padding == 0 and held_rows:  # every row held: a pass still computes a row
+        padding = pad_to
+    padding = max(padding, at_least - (physical - held_rows))
     pad_id = ids[ends[-1] if ends else 0] if logical_padding else torch.tensor(0)
     starts_t, lengths_t, positions_t, sources_t, reach_t = (tree.starts, tree.lengths, tree.positions, tree.sources,
                                                               tree.reach)

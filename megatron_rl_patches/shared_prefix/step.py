@@ -126,15 +126,22 @@ def held_rows(store: HeldStore, mode: str, index: int, layout: Forest, held: set
                     computed=computed_rows, order=order)
 
 
+def segment_rows(tree: TreeLayout, segments: set[int], pad_to: int) -> int:
+    """The rows a pass of `segments` computes: theirs, padded to `pad_to` (an empty pass: `pad_to`)."""
+    rows = sum(int(tree.lengths[s]) for s in segments)
+    return rows + (-rows) % pad_to if segments else pad_to
+
+
 def segment_plan(tree: TreeLayout, ids: torch.Tensor, segments: set[int], store: HeldStore, mode: str, index: int,
-                 pad_to: int) -> SharedPrefixPlan:
+                 pad_to: int, at_least: int = 0) -> SharedPrefixPlan:
     """The plan of a side pass or a recompute: `segments` computed (and kept for the step), their
-    ancestors held, no sample rows (no logical rows: the pass leaves its output to the readers)."""
+    ancestors held, no sample rows (no logical rows: the pass leaves its output to the readers); at
+    least `at_least` rows computed (padding)."""
     kept = closed(tree, segments)
     layout = forest(tree, kept)
     ancestors = set(kept.tolist()) - segments
     held_length = sum(int(tree.lengths[s]) for s in ancestors)
-    padding = (-(layout.rows - held_length)) % pad_to if segments else pad_to  # an empty pass: padding alone
+    padding = max(segment_rows(tree, segments, pad_to), at_least) - (layout.rows - held_length)
     rows = layout.rows + padding
     lengths = torch.cat([layout.lengths, torch.tensor([padding])]) if padding else layout.lengths
     starts = lengths.cumsum(0) - lengths
@@ -246,8 +253,9 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
     holds its largest segments (side pass, recompute) until they fit. `group`: ranks whose forwards run
     collectives together while holding other samples (the expert-parallel group: MoE dispatch): their
     passes are agreed (each micro-batch's side passes and recomputes as many on every rank, a pass of
-    padding where a rank has fewer), an all-gather over it; TP and CP ranks hold the same samples and
-    need none."""
+    padding where a rank has fewer, each pass as many rows as the most any rank computes in it:
+    megatron-core's allgather dispatcher gathers equal shares), an all-gather over it; TP and CP ranks
+    hold the same samples and need none."""
     batches = _batches(micro_batches, samples)
     pad_to, min_shared = _count("pad_to", pad_to, 1), _count("min_shared", min_shared, 1)
     if levels is not None:
@@ -290,28 +298,37 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
                 held.add(largest)
                 rows -= int(tree.lengths[largest])
     store = HeldStore()
-    plans = []
+    shapes = []  # per micro-batch: its layout, held segments, side and owned units, main rows
     token_at = 0
-    computed_tokens = recomputed = 0
-    passes = [(len(units(tree, {s for s in kept.tolist() if s in held and min(readers[s]) == i}, max_tokens)),
-               len(units(tree, {s for s in kept.tolist() if s in held and max(readers[s]) == i}, max_tokens)))
-              for i, kept in enumerate(mine)]
-    agreed = _agreed_passes(group, passes)
     for index, (batch, kept) in enumerate(zip(batches, mine)):
         count = sum(e - s for s, e in zip(batch.starts, batch.ends))
         layout = forest(tree, kept)
         read = {s for s in kept.tolist() if s in held}
-        plan = plan_of_layout(batch, _layout_of(tree, layout, batch, tree.logical_rows[token_at:token_at + count],
-                                                segment_of_row, kept), pad_to,
-                              held_rows=sum(int(tree.lengths[s]) for s in read))
+        tree_of_batch = _layout_of(tree, layout, batch, tree.logical_rows[token_at:token_at + count], segment_of_row,
+                                   kept)
         token_at += count
+        held_length = sum(int(tree.lengths[s]) for s in read)
+        main = plan_of_layout(batch, tree_of_batch, pad_to, held_rows=held_length)
         first = units(tree, {s for s in read if min(readers[s]) == index}, max_tokens)
         last = units(tree, {s for s in read if max(readers[s]) == index}, max_tokens)
+        shapes.append((layout, read, tree_of_batch, held_length, main, first, last))
+    agreed = _agreed_passes(group, [(main.physical_length - held_length,
+                                     [segment_rows(tree, one, pad_to) for one in first],
+                                     [segment_rows(tree, one, pad_to) for one in last])
+                                    for _, _, _, held_length, main, first, last in shapes])
+    plans = []
+    computed_tokens = recomputed = 0
+    for index, ((layout, read, tree_of_batch, held_length, plan, first, last), (rows_main, side_rows, owned_rows)) in \
+            enumerate(zip(shapes, agreed)):
+        if rows_main > plan.physical_length - held_length:  # as many rows as the group's most
+            plan = plan_of_layout(batches[index], tree_of_batch, pad_to, held_rows=held_length, at_least=rows_main)
+        first = first + [set() for _ in range(len(side_rows) - len(first))]  # empty passes: as many as every rank
+        last = last + [set() for _ in range(len(owned_rows) - len(last))]
         rows = held_rows(store, MAIN, index, layout, read, set(), plan.physical_length)
-        first += [set() for _ in range(agreed[index][0] - len(first))]  # empty passes: as many as every rank
-        last += [set() for _ in range(agreed[index][1] - len(last))]
-        rows.side = tuple(segment_plan(tree, ids, one, store, SIDE, index, pad_to) for one in first)
-        rows.owned = tuple(segment_plan(tree, ids, one, store, RECOMPUTE, index, pad_to) for one in last)
+        rows.side = tuple(segment_plan(tree, ids, one, store, SIDE, index, pad_to, n)
+                          for one, n in zip(first, side_rows))
+        rows.owned = tuple(segment_plan(tree, ids, one, store, RECOMPUTE, index, pad_to, n)
+                           for one, n in zip(last, owned_rows))
         rows.last = index == len(batches) - 1
         plan.held = rows
         plans.append(plan)
@@ -322,15 +339,25 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
     return SharedPrefixStep(plans=tuple(plans), store=store, stats=stats)
 
 
-def _agreed_passes(group: Any, passes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Each micro-batch's (side passes, recomputes), the most any rank of `group` runs (None: these)."""
+Passes = tuple[int, list[int], list[int]]  # a micro-batch's main rows, its side passes' rows, its recomputes' rows
+
+
+def _agreed_passes(group: Any, passes: list[Passes]) -> list[Passes]:
+    """Each micro-batch's passes as the ranks of `group` run them together (None: these): as many
+    side passes and recomputes as the most any rank runs, each as many rows as the most any computes."""
     if group is None:
         return passes
-    every = [list(map(tuple, p)) for p in gathered_objects(group, passes)]  # type: ignore[call-overload]
+    every = [list(p) for p in gathered_objects(group, passes)]  # type: ignore[call-overload]
     if len({len(p) for p in every}) > 1:
         raise ValueError(f"{NAME}: the ranks of group plan steps of {sorted({len(p) for p in every})} micro-batches; "
                          "every rank of a group whose forwards run collectives together runs the same number")
-    return [(max(p[i][0] for p in every), max(p[i][1] for p in every)) for i in range(len(passes))]
+
+    def most(lists: list[list[int]]) -> list[int]:
+        longest = max(len(one) for one in lists)
+        return [max(one[i] if i < len(one) else 0 for one in lists) for i in range(longest)]
+
+    return [(max(p[i][0] for p in every), most([p[i][1] for p in every]), most([p[i][2] for p in every]))
+            for i in range(len(passes))]
 
 
 def _layout_of(tree: TreeLayout, layout: Forest, batch: MicroBatch, step_rows: torch.Tensor,
