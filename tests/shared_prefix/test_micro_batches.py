@@ -161,14 +161,14 @@ def test_largest_parts_first_each_into_the_first_micro_batch_with_room():
 def test_once_per_step_a_group_the_budget_cuts_lies_in_consecutive_micro_batches_counted_once():
     from megatron_rl_patches.apps.bench.shared_prefix_budgets import group_samples, trie_size
 
-    samples = group_samples(300, 20, 8, seed=1) + group_samples(40, 100, 4, seed=2) + [list(range(500, 530))]
+    samples = group_samples(300, 20, 20, seed=1) + group_samples(40, 100, 4, seed=2) + [list(range(500, 530))]
     per_step = shared_prefix_micro_batches(samples, 400, held_cost=0.0)
     places = {i: m for m, batch in enumerate(per_step) for i in batch}
-    for members in (range(8), range(8, 12)):  # each group's parts in consecutive micro-batches
+    for members in (range(20), range(20, 24)):  # each group's parts in consecutive micro-batches
         used = sorted({places[i] for i in members})
         assert used == list(range(used[0], used[-1] + 1))
     assert sorted(i for batch in per_step for i in batch) == list(range(len(samples)))
-    assert len({places[i] for i in range(8)}) == 2  # the prompt and 5 tails, then the 3 other tails on it held
+    assert len({places[i] for i in range(20)}) == 2  # the prompt and 5 tails, then the 15 other tails on it held
     # each micro-batch's own rows and first reads within the budget, the step's tokens the trie's
     from megatron_rl_patches.shared_prefix import plan_shared_prefix_step
 
@@ -181,8 +181,10 @@ def test_once_per_step_a_group_the_budget_cuts_lies_in_consecutive_micro_batches
     step = plan_shared_prefix_step([packed(b) for b in per_step], max_tokens=400)
     assert step.stats.computed_tokens == trie_size(samples)
     assert all(plan.held.computed.numel() <= 400 for plan in step.plans)
-    held = shared_prefix_micro_batches(samples, 400, held_cost=1.0)  # a held row as dear as a computed one
-    assert len(held) > len(per_step)
+    dear = plan_shared_prefix_step([packed(b) for b in shared_prefix_micro_batches(samples, 400, held_cost=1.0)],
+                                   max_tokens=400)  # a held row as dear as a computed one: both within the budget
+    assert all(plan.held.computed.numel() + plan.held.held_rows <= 400 for plan in dear.plans)
+    assert any(plan.held.computed.numel() + plan.held.held_rows > 400 for plan in step.plans)
     each = shared_prefix_micro_batches(samples, 400)  # per micro-batch: a cut group's prompt again in each part
     assert sum(plan_shared_prefix(*packed(b)).stats.physical_tokens for b in each) > trie_size(samples)
 
