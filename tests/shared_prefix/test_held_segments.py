@@ -281,3 +281,23 @@ def test_multi_latent_attention_reads_a_held_segments_keys_at_their_own_position
     assert all(relative_error(g[0], w[0]) < TOL[dtype] for g, w in zip(got, want))
     assert grad_error(grads, want_grads) < GRAD_TOL[dtype]
     assert any("linear_kv_down_proj" in name for name in grads) and not step.store.values
+
+
+@pytest.mark.parametrize(("field", "value", "words", "training"), [
+    ("pipeline_model_parallel_size", 2, "pipeline parallelism (pipeline_model_parallel_size=2)", False),
+    ("mtp_num_layers", 1, "MTP (mtp_num_layers=1)", False),
+    ("attention_dropout", 0.1, "dropout in training (attention_dropout=0.1)", True),
+    ("hidden_dropout", 0.1, "dropout in training (hidden_dropout=0.1)", True),
+])
+def test_what_held_segments_cannot_run_is_refused_by_name_before_the_pass(megatron_cpu, field, value, words,
+                                                                        training):
+    from megatron_rl_patches.shared_prefix import check_shared_prefix_step, shared_prefix_step_reason
+
+    model = _model(hidden_dropout=0.0, attention_dropout=0.0)
+    assert shared_prefix_step_reason(model, training=True) is None
+    setattr(model.config, field, value)
+    if training:  # dropout only draws in training: a forward-only pass holds segments
+        assert shared_prefix_step_reason(model, training=False) is None
+    with pytest.raises(ValueError, match=r"segments held across a step's micro-batches cannot run this model: "
+                                         + words.replace("(", r"\(").replace(")", r"\)")):
+        check_shared_prefix_step(model, training=training)
