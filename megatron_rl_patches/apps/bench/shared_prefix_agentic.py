@@ -1,0 +1,196 @@
+"""`bench shared-prefix --shape agentic`: a step whose micro-batch budget cuts a group's long prompt,
+three ways on the same GPTModel (Qwen3's proportions, `shared_prefix.build_model`) through
+megatron-core's own schedule:
+- `packed whole`: each sample whole, micro-batches as slime's first fit packs their lengths;
+- `once per micro-batch`: `shared_prefix_micro_batches` and a plan per micro-batch (a group the budget
+  cuts computes its prompt again in each part; here each sample alone: P + R fills the budget);
+- `once per step`: `shared_prefix_micro_batches(held_cost=0)` and `plan_shared_prefix_step`: the
+  prompt computed once in a side pass, held, read by every micro-batch, recomputed once in its last
+  reader's backward; a sample past the budget in chunks.
+Cases: an agentic group (P = 3,000, R = 200, G = 8 at a budget of 3,200 computed tokens) and one
+trajectory as a sample per turn (a system prompt and turns, the last samples past the budget).
+Per row: the micro-batches, the tokens the model computes in a forward-only pass (the embedding's
+ids) and those a training step runs again in backward, the training step's and the forward-only
+pass's CPU time (medians over interleaved rounds after a warm-up round, one torch thread) and their
+ratios to `packed whole`, the resident set's peak above the model during the training step against
+`once per micro-batch`'s, and the log-probs' largest difference from `packed whole`'s."""
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
+from megatron_rl_patches.apps.bench.measure import MIB, MemoryProbe
+from megatron_rl_patches.apps.bench.progress import CaseLines
+
+SHAPES = ("agentic",)
+FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 2,
+                        "group": (3000, 200, 8), "turns": (2000, 150, 10), "budget": 3200}
+QUICK: dict[str, Any] = {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "vocab": 256, "rounds": 1,
+                         "group": (60, 8, 4), "turns": (30, 6, 6), "budget": 64}
+WHOLE, PER_MICRO_BATCH, PER_STEP = "packed whole", "once per micro-batch", "once per step"
+COLUMNS = ("case", "packing", "micro_batches", "tokens", "recomputed", "train_cpu_ms", "train_vs_whole",
+           "forward_cpu_ms", "forward_vs_whole", "peak_MiB", "peak_vs_per_micro_batch", "max_abs_diff")
+
+
+def samples_of(plan: dict) -> list[tuple[str, list[list[int]]]]:
+    from megatron_rl_patches.apps.bench.shared_prefix_budgets import group_samples, turn_samples
+
+    p, r, g = plan["group"]
+    system, turn, turns = plan["turns"]
+    return [(f"agentic P={p}, R={r}, G={g}", [[t % plan["vocab"] for t in s] for s in group_samples(p, r, g)]),
+            (f"a sample per turn: {system} + {turns} x {turn}",
+             [[t % plan["vocab"] for t in s] for s in turn_samples(system, turn, turns)])]
+
+
+def packed_micro_batch(samples: list[list[int]], batch: list[int]) -> dict:
+    """One micro-batch packed as frameworks pack it: ids [1, T], next-token labels, cu_seqlens, positions."""
+    import torch
+
+    chosen = [samples[i] for i in batch]
+    ids = torch.tensor([t for s in chosen for t in s])
+    cu = torch.tensor([0, *torch.tensor([len(s) for s in chosen]).cumsum(0).tolist()], dtype=torch.int32)
+    return {"tokens": ids[None], "labels": torch.roll(ids, -1)[None], "cu_seqlens": cu,
+            "positions": torch.cat([torch.arange(len(s)) for s in chosen])[None]}
+
+
+def route_params(route: str, samples: list[list[int]], budget: int) -> list[tuple[dict, Any]]:
+    """(micro-batch, its packed_seq_params) per micro-batch of the step, packed as `route` packs it."""
+    from megatron_rl_patches.shared_prefix import (
+        plan_shared_prefix,
+        plan_shared_prefix_step,
+        shared_prefix_micro_batches,
+        shared_prefix_params,
+    )
+    from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids
+
+    if route == PER_STEP:
+        cuts = shared_prefix_micro_batches(samples, budget, held_cost=0.0)
+        batches = [packed_micro_batch(samples, cut) for cut in cuts]
+        step = plan_shared_prefix_step([(b["tokens"], b["cu_seqlens"]) for b in batches], max_tokens=budget)
+        return [(b, shared_prefix_params(p)) for b, p in zip(batches, step.plans)]
+    values = [sample_ids(s, i) for i, s in enumerate(samples)]
+    cuts = physical_micro_batches(values, budget, min_shared=1 if route == PER_MICRO_BATCH else 10 ** 9)
+    batches = [packed_micro_batch(samples, cut) for cut in cuts]
+    longest = max(len(s) for s in samples) + 1
+    return [(b, shared_prefix_params(plan_shared_prefix(b["tokens"], b["cu_seqlens"],
+                                                        min_shared=1 if route == PER_MICRO_BATCH else longest)))
+            for b in batches]
+
+
+def step_pass(model: Any, micro_batches: list[tuple[dict, Any]], train: bool) -> tuple[Any, float, int]:
+    """(log-probs, CPU seconds, ids the embedding was handed) of one pass over the step's micro-batches
+    through megatron-core's schedule (forward and backward per micro-batch, or forward only)."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl_patches import log_probs_and_entropy
+
+    seen = [0]
+    hook = model.embedding.register_forward_pre_hook(lambda m, a, k: seen.__setitem__(0, seen[0] + int(
+        (k.get("input_ids") if "input_ids" in k else a[0]).numel())), with_kwargs=True)
+    kept: list[Any] = []
+
+    def forward_step(iterator: Any, one: Any) -> tuple[Any, Any]:
+        batch, params = next(iterator)
+        logits = one(batch["tokens"], None, None, packed_seq_params=params)
+
+        def loss(output: Any) -> tuple[Any, dict]:
+            log_probs, _ = log_probs_and_entropy(output[0], batch["labels"][0])
+            kept.append(log_probs.detach())
+            value = -log_probs.mean()
+            return value, {"loss": value.detach()}
+
+        return logits, loss
+
+    started = time.process_time()
+    try:
+        with torch.set_grad_enabled(train):
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                                        model=[model], num_microbatches=len(micro_batches), seq_length=1,
+                                        micro_batch_size=1, forward_only=not train)
+    finally:
+        hook.remove()
+    model.zero_grad(set_to_none=True)
+    return torch.cat(kept), time.process_time() - started, seen[0]
+
+
+def measure(plan: dict) -> list[dict]:
+    import torch
+
+    from megatron_rl_patches.apps.bench.shared_prefix import build_model
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+    from megatron_rl_patches.testing.megatron_cpu import megatron_world
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    cases = samples_of(plan)
+    lines = CaseLines(len(cases))
+    try:
+        with megatron_world("cpu"):
+            longest = max(len(s) for _, samples in cases for s in samples)
+            model = prepare_shared_prefix(build_model({**plan, "cases": ((longest, 0, 1),)}))
+            for case, samples in cases:
+                routes = {route: route_params(route, samples, plan["budget"])
+                          for route in (WHOLE, PER_MICRO_BATCH, PER_STEP)}
+                times: dict[str, dict[str, list[float]]] = {r: {"train": [], "forward": []} for r in routes}
+                peaks: dict[str, int] = {}
+                out: dict[str, Any] = {}
+                for round_index in range(plan["rounds"] + 1):
+                    for route, micro_batches in routes.items():
+                        if route == PER_STEP:  # a step's plans hold their segments once: made anew each pass
+                            micro_batches = route_params(route, samples, plan["budget"])
+                        log_probs, forward, tokens = step_pass(model, micro_batches, train=False)
+                        if route == PER_STEP:
+                            micro_batches = route_params(route, samples, plan["budget"])
+                        probe = MemoryProbe("cpu")
+                        probe.start()
+                        _, train, ran = step_pass(model, micro_batches, train=True)
+                        peaks[route] = max(peaks.get(route, 0), probe.peak())
+                        out[route] = (log_probs, tokens, ran - tokens, len(micro_batches))
+                        if round_index:  # the first round warms up
+                            times[route]["forward"].append(forward)
+                            times[route]["train"].append(train)
+                whole = {k: statistics.median(v) for k, v in times[WHOLE].items()}
+                for route in routes:
+                    log_probs, tokens, recomputed, count = out[route]
+                    train, forward = (statistics.median(times[route][k]) for k in ("train", "forward"))
+                    rows.append({"case": case, "packing": route, "micro_batches": count, "tokens": tokens,
+                                 "recomputed": recomputed, "train_cpu_ms": round(1e3 * train, 1),
+                                 "train_vs_whole": round(train / whole["train"], 3),
+                                 "forward_cpu_ms": round(1e3 * forward, 1),
+                                 "forward_vs_whole": round(forward / whole["forward"], 3),
+                                 "peak_MiB": round(peaks[route] / MIB, 1),
+                                 "peak_vs_per_micro_batch": round(peaks[route] / max(1, peaks[PER_MICRO_BATCH]), 3),
+                                 "max_abs_diff": float((log_probs - out[WHOLE][0]).abs().max())})
+                ours = rows[-1]
+                lines.ended(f"{case}: once per step {ours['tokens']} tokens, the training step "
+                            f"{ours['train_vs_whole']:.2f}x packed whole's CPU time")
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def described(plan: dict) -> str:
+    from megatron_rl_patches.apps.bench.shared_prefix import cpu_name
+
+    return (f"a step past the micro-batch budget ({plan['budget']} computed tokens): GPTModel {plan['layers']} layers "
+            f"x {plan['hidden']} (Qwen3's proportions), vocab {plan['vocab']}, fp32, megatron-core's schedule,\n"
+            f"{cpu_name()}, one thread; {plan['rounds']} interleaved rounds")
+
+
+BARS = Bars(group="case", series="packing", values=("train_vs_whole", "forward_vs_whole", "peak_vs_per_micro_batch"),
+            titles=("training step CPU time / packed whole", "forward-only CPU time / packed whole",
+                    "peak memory / once per micro-batch"))
+
+
+def run(quick: bool = False, out_dir: str | None = None, shape: str = "agentic") -> list[dict]:
+    """Print the table; write shared_prefix_agentic.csv / .md / .png into `out_dir` when given."""
+    if shape not in SHAPES:
+        raise ValueError(f"bench shared-prefix: this module's shape is agentic, got {shape!r}")
+    plan = QUICK if quick else FULL
+    return run_benchmark("shared_prefix_agentic", lambda: measure(plan), "case", COLUMNS, described(plan), BARS,
+                         quick, out_dir)
