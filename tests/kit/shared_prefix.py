@@ -13,8 +13,8 @@ import torch
 
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: `tokens` / `labels` / `positions` [1, T], `cu_seqlens` (int32, a
-    padding sequence last when there is padding), `samples` (how many sequences are samples), the
+    """One packed micro-batch: `tokens` / `labels` / `positions` [1, T], `cu_seqlens` (int32, the
+    padding sequences last when there is padding), `samples` (how many sequences are samples), the
     samples themselves and the logical rows they fill (`rows`)."""
 
     tokens: torch.Tensor

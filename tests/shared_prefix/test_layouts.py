@@ -161,8 +161,9 @@ def _sparse_attention_checks() -> dict:
 def _mtp_checks(sequence_parallel: bool) -> dict:
     """Multi-token prediction at TP = 2 (depth 1), or TP = 2 + SP (depth 2: each depth's rows scattered
     over the ranks), accepted by the doors on both ranks: the main loss, the MTP loss megatron-core logs
-    per depth and every gradient against the packed path."""
-    from kit.moe_statistics import constant_padding
+    per depth and every gradient against the packed path, over two padding sequences of varying ids
+    (no loss mask: the MTP loss counts each padding row by its own id, as packed)."""
+    from kit.moe_statistics import varying_padding
     from kit.mtp_gpt import build_mtp_gpt, distinct_mtp_rows, layer_rows, mtp_pass, mtp_takes_packed_input
     from kit.shared_prefix import ordinary, planned
 
@@ -178,7 +179,7 @@ def _mtp_checks(sequence_parallel: bool) -> dict:
                                  tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
         model = build_mtp_gpt(config)
         check_shared_prefix([model], training=True)
-        batch = constant_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), padding=4)
+        batch = varying_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), paddings=(3, 1))
         want = mtp_pass(model, batch, ordinary)
         seen, hooks = layer_rows(model)
         got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
@@ -394,10 +395,11 @@ def _expert_parallel_checks() -> dict:
 
 
 def _expert_statistics(expert_parallel: int) -> tuple:
-    """An aux loss, a z-loss and expert-bias updates at once: (log-prob error, gradient error, the
-    largest logged-loss error, counts equal, bias equal after megatron's all-reduced update)."""
+    """An aux loss, a z-loss and expert-bias updates at once, each rank its micro-batch with two padding
+    sequences of varying ids (each row counted by its own id, as packed): (log-prob error, gradient
+    error, the largest logged-loss error, counts equal, bias equal after megatron's all-reduced update)."""
     import torch
-    from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+    from kit.moe_statistics import STATISTICS, statistics_pass, varying_padding
     from kit.shared_prefix import ordinary, planned
 
     from megatron_rl_patches.testing.compare import grad_error, relative_error
@@ -407,7 +409,7 @@ def _expert_statistics(expert_parallel: int) -> tuple:
     statistics = {**STATISTICS["aux-loss"], **STATISTICS["z-loss"], **STATISTICS["expert-bias"]}
     config = tiny_moe_config(expert_parallel=expert_parallel, **statistics)
     model = build_packed_gpt(seq_length=512, seed=9, config=config)
-    batch = constant_padding(((40, (4, 9, 2)),), (6,), padding=3, seed=torch.distributed.get_rank())
+    batch = varying_padding(((40, (4, 9, 2)),), (6,), paddings=(2, 1), seed=torch.distributed.get_rank())
     want = statistics_pass(model, batch, ordinary)
     got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2))
     losses = max(relative_error(got["losses"][name], values) for name, values in want["losses"].items())
@@ -419,10 +421,11 @@ def _expert_statistics(expert_parallel: int) -> tuple:
 def _sequence_parallel_statistics() -> dict:
     """MoE statistics in training at TP = 2 + SP with EP = 2 (each rank a share of the rows, 2 experts a
     rank), accepted by the doors on both ranks: an aux loss, z-loss and expert-bias updates in one
-    model, seq_aux_loss and global_aux_loss in another, each against the packed path; Sinkhorn refused
-    by name on both ranks."""
+    model, seq_aux_loss and global_aux_loss in another, each against the packed path over two padding
+    sequences of varying ids (each row counted by its own id, as packed); Sinkhorn refused by name on
+    both ranks."""
     import torch
-    from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+    from kit.moe_statistics import STATISTICS, statistics_pass, varying_padding
     from kit.shared_prefix import ordinary, planned
     from megatron.core import parallel_state
 
@@ -444,7 +447,7 @@ def _sequence_parallel_statistics() -> dict:
     out: dict = {}
     with megatron_on_cpu(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1):
         tp = parallel_state.get_tensor_model_parallel_group()
-        batch = constant_padding(((40, (4, 9, 2)),), (6,), padding=3)  # the same on both ranks of the TP group
+        batch = varying_padding(((40, (4, 9, 2)),), (6,), paddings=(2, 1))  # the same on both ranks of the TP group
         for name, statistics in kinds.items():
             model = build_packed_gpt(seq_length=512, seed=9, config=tiny_moe_config(**layout, **statistics))
             check_shared_prefix([model], training=True)

@@ -3,12 +3,12 @@ whole, on a real megatron-core MoE GPTModel: each of `aux_loss`, `seq_aux_loss`,
 the z-loss, expert-bias updates and Sinkhorn routing — the losses megatron-core logs per layer, the
 tokens-per-expert counts, the expert bias after megatron's own update, log-probs (1e-6) and every
 gradient (2e-6, float32), the statistics' own gradients in the router included. A shared prefix
-token counts once per sample that holds it."""
+token counts once per sample that holds it; a padding row counts by its own id, as packed."""
 from __future__ import annotations
 
 import pytest
 import torch
-from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass, varying_padding
 from kit.shared_prefix import ordinary, planned
 
 from megatron_rl_patches.testing import layouts
@@ -55,6 +55,24 @@ def test_each_statistic_counts_a_shared_token_once_per_sample(megatron_cpu, moe_
     if statistic == "expert-bias":
         assert int(sum(c.sum() for c in want["counts"])) == 2 * 2 * batch.tokens.numel()  # 2 layers, top-2
         assert not torch.equal(want["bias"][0], torch.zeros_like(want["bias"][0]))
+
+
+@layouts.mark("moe")
+@pytest.mark.parametrize("statistic", sorted(STATISTICS))
+def test_each_statistic_counts_each_padding_row_by_its_own_id(megatron_cpu, moe_router_on_cpu, statistic):
+    """Two padding sequences of varying ids (megatron-core's packed path computes each row by its own
+    id, at its own position, and counts it): every statistic, the counts, the bias and, under
+    Sinkhorn's balancing over the batch, the samples' own log-probs equal the packed path's."""
+    batch = varying_padding(((30, (5, 9, 3)), (10, (4, 6))), (7,), paddings=(5, 4))
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if statistic == "global-aux-loss" and not hasattr(TopKRouter, "reset_global_aux_loss_tracker"):
+        pytest.skip("this megatron-core has no global_aux_loss (0.13)")
+    model = _model(**STATISTICS[statistic])
+    want = statistics_pass(model, batch, ordinary)
+    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4))  # and 3 rows no logical row reads
+    _agree(got, want)
+    assert batch.plan(pad_to=4).stats.padding_tokens == 9
 
 
 def test_the_negative_control_physical_rows_counted_once_differ(megatron_cpu, moe_router_on_cpu, monkeypatch):
