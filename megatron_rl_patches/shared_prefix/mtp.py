@@ -81,8 +81,13 @@ def is_mtp_layer(module: Any) -> bool:
 
 
 def logical_positions(plan: SharedPrefixPlan) -> torch.Tensor:
-    """[T]: each logical row's position in its own sequence (a sample's, a padding sequence's)."""
-    return plan.cached(("mtp-positions",), lambda: plan.positions.index_select(0, plan.logical_rows))
+    """[T]: each logical row's position in its own sequence (a sample's, a padding sequence's), as the
+    packed path numbers it (`logical_bounds`)."""
+    def build() -> torch.Tensor:
+        bounds = torch.tensor(logical_bounds(plan), dtype=torch.int64)
+        return torch.arange(plan.logical_length) - torch.repeat_interleave(bounds[:-1], bounds.diff())
+
+    return plan.cached(("mtp-positions",), build)
 
 
 def logical_bounds(plan: SharedPrefixPlan) -> list[int]:

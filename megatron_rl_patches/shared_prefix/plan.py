@@ -5,8 +5,9 @@ stream, `thd` with its `cu_seqlens`). Every run of leading tokens two or more sa
 group's prompt, a multi-turn history at each turn where it branches, a privileged context before
 every prompt) is found by value and laid out once (`tree.tree_layout`: the samples' trie in
 segments, each segment after its parent, its children after it), then the padding as megatron-core
-packs it (each padding sequence on rows of its own, each row its own: the MoE statistics and the MTP
-loss count every padding row by its own id), then the rows padding the stream to a multiple. Causal attention
+packs it (`padding`: each padding sequence on rows of its own, each row its own, since the MoE
+statistics and the MTP loss count every padding row by its own id), then the rows padding the stream
+to a multiple. Causal attention
 makes this exact: a token never sees what follows it, so a shared token's states are the same in
 every sample holding it; a segment sees its ancestors and itself causally, nothing of its siblings
 (`segments` / `reach`, the one rule of `attention_rule`). Each physical row keeps its position in
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.grouping import Group
+from megatron_rl_patches.shared_prefix.padding import padding_layout
 from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
 from megatron_rl_patches.shared_prefix.tree import run_of, tree_layout
 
@@ -33,9 +35,11 @@ class PlanStats:
     planned (`physical_tokens`, padding left out), the groups of two or more samples, the samples in
     them, the samples alone, the claimed groups (`hints`) whose members' tokens differ (split by
     value, never merged), and what the padding costs: its rows as packed (`padding_tokens`: the
-    sequences past the samples and the rows past `cu_seqlens[-1]`, each computed on a row of its own,
-    as the packed path computes it) and the rows that pad the stream to a multiple (`filler_rows`,
-    read by nothing). The physical stream is `physical_tokens + padding_tokens + filler_rows` rows."""
+    sequences past the samples and the rows past `cu_seqlens[-1]`), the physical rows computing them
+    (`padding_rows`: each its own, as the packed path computes it, or one per padding sequence of
+    one repeated id where the caller asked it: `padding.padding_layout`) and the rows that pad the
+    stream to a multiple (`filler_rows`, read by nothing). The physical stream is `physical_tokens +
+    padding_rows + filler_rows` rows."""
 
     samples: int
     logical_tokens: int
@@ -45,6 +49,7 @@ class PlanStats:
     alone: int
     split_hints: int = 0
     padding_tokens: int = 0
+    padding_rows: int = 0
     filler_rows: int = 0
 
     @property
@@ -56,7 +61,7 @@ class PlanStats:
                 "physical_tokens": self.physical_tokens, "saved_tokens": self.saved_tokens,
                 "groups": self.groups, "shared_samples": self.shared_samples, "alone": self.alone,
                 "split_hints": self.split_hints, "padding_tokens": self.padding_tokens,
-                "filler_rows": self.filler_rows}
+                "padding_rows": self.padding_rows, "filler_rows": self.filler_rows}
 
 
 @dataclass(eq=False)
@@ -68,7 +73,7 @@ class SharedPrefixPlan:
     `segment_parents` (-1 under the root) and `segment_depths` (0 under the root), `logical_rows` [T]
     (the physical row of each logical row), `logical_tokens` [T] (the stream as packed), the `groups`
     (the samples' subtrees under the root), `stats`, `padding_rows` (the physical rows after the
-    samples': the padding's and the filler's, `stats.padding_tokens + stats.filler_rows`), and the
+    samples': the padding's and the filler's, `stats.padding_rows + stats.filler_rows`), and the
     `cu_seqlens` it was built from (`sequence_bounds`: where context parallelism cuts the logical ids
     per sequence, and megatron-core's MTP rolls them). Build it with :func:`plan_shared_prefix`."""
 
@@ -159,24 +164,17 @@ def _count(name: str, value: Any, low: int) -> int:
     return value
 
 
-def padding_sequences(bounds: list[int], samples: int, length: int) -> list[tuple[int, int]]:
-    """(start, end) of each padding sequence of a stream of `length` packed ids with boundaries
-    `bounds`: each non-empty sequence past the first `samples`, then the rows past `bounds[-1]` as one
-    more (megatron-core's packed path runs no row past `cu_seqlens[-1]`: its `thd` RoPE splits the rows
-    by `cu_seqlens`; the plan runs them as one sequence)."""
-    runs = [(start, end) for start, end in zip(bounds[samples:], bounds[samples + 1:]) if end > start]
-    return runs + ([(bounds[-1], length)] if length > bounds[-1] else [])
-
-
 def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | None = None, pad_to: int = 1,
                        min_shared: int = 1, hints: Sequence[Any] | None = None,
-                       levels: int | None = None) -> SharedPrefixPlan:
+                       levels: int | None = None, repeated_padding_once: bool = False) -> SharedPrefixPlan:
     """The shared-prefix plan of a micro-batch packed as `tokens` ([T] or [1, T]) with sequence
     boundaries `cu_seqlens` ([n + 1], as megatron-core's `PackedSeqParams`). The first `samples`
     sequences (default: all) are samples; later sequences and the rows past `cu_seqlens[-1]` (one
     more sequence) are padding, computed as megatron-core's packed path computes them: never shared,
     each row on a physical row of its own at its position in its sequence, seeing its sequence's
-    earlier rows (`PlanStats.padding_tokens`). The physical stream is padded to a multiple of
+    earlier rows (`padding.padding_layout`); `repeated_padding_once`: a padding sequence of one
+    repeated id computed on one row, for a model that computes every row of such a run alike
+    (`repeated_padding_alike(model)`; the doors ask it). The physical stream is padded to a multiple of
     `pad_to` (the tensor-parallel size under sequence parallelism). Every run of leading tokens
     samples share is computed once, at any depth (a tree: a branch point's last row serves each
     child), where the run adds at least `min_shared` tokens to the shared segment above it (else its
@@ -199,24 +197,19 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     hints = hint_values(hints, samples)
     if levels is not None:
         _count("levels", levels, 1)
+    if not isinstance(repeated_padding_once, bool):
+        raise TypeError(f"plan_shared_prefix: repeated_padding_once must be a bool, got {repeated_padding_once!r}")
     tree = tree_layout(ids, starts, ends, min_shared, levels)
     groups = tuple(Group(members, shared) for members, shared in tree.tops)
     physical = tree.rows
     samples_end = bounds[samples]
-    logical_padding = ids.numel() - samples_end
-    filler = (-(physical + logical_padding)) % pad_to  # rows no logical row reads: the stream's multiple
-    pad_id = ids[samples_end] if logical_padding else torch.tensor(0)
-    # padding as megatron-core packs it: each padding sequence a segment of its own (shared with nothing), each
-    # row its own physical row at its own position, causal within its sequence; the filler one more segment
-    extra = [(start, end - start) for start, end in padding_sequences(bounds, samples, ids.numel())]
-    extra += [(-1, filler)] if filler else []
-    sources_x = torch.tensor([source for source, _ in extra], dtype=torch.int64)
-    lengths_x = torch.tensor([length for _, length in extra], dtype=torch.int64)
-    starts_x = physical + lengths_x.cumsum(0) - lengths_x
-    zeros = torch.zeros_like(lengths_x)
-    starts_t, lengths_t = torch.cat([tree.starts, starts_x]), torch.cat([tree.lengths, lengths_x])
-    positions_t, sources_t = torch.cat([tree.positions, zeros]), torch.cat([tree.sources, sources_x])
-    reach_t = torch.cat([tree.reach, starts_x + lengths_x])
+    padding = padding_layout(ids, bounds, samples, physical, pad_to, repeated_padding_once)
+    # the padding after the samples' rows (`padding.padding_layout`): each sequence a segment of its own
+    starts_x = physical + padding.lengths.cumsum(0) - padding.lengths
+    zeros = torch.zeros_like(padding.lengths)
+    starts_t, lengths_t = torch.cat([tree.starts, starts_x]), torch.cat([tree.lengths, padding.lengths])
+    positions_t, sources_t = torch.cat([tree.positions, zeros]), torch.cat([tree.sources, padding.sources])
+    reach_t = torch.cat([tree.reach, starts_x + padding.lengths])
     parents, depths = torch.cat([tree.parents, zeros - 1]), torch.cat([tree.depths, zeros])
     segments = run_of(lengths_t)
     local = torch.arange(segments.numel()) - starts_t[segments]
@@ -224,11 +217,11 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     source = sources_t[segments] + local
     # the filler rows read any id here (set below): a filler longer than the stream reads past its end otherwise
     tokens = ids[source.clamp(0, ids.numel() - 1)] if source.numel() else torch.empty(0, dtype=torch.int64)
-    if filler:
-        tokens[physical + logical_padding:] = pad_id
+    if padding.filler:
+        tokens[physical + padding.rows - padding.filler:] = padding.filler_id
     logical_rows = torch.empty(ids.numel(), dtype=torch.int64)
     logical_rows[:tree.logical_rows.numel()] = tree.logical_rows
-    logical_rows[samples_end:] = physical + torch.arange(logical_padding)  # the runs tile the padding in order
+    logical_rows[samples_end:] = physical + padding.logical_rows
     split = 0
     if hints is not None:
         group_of = {member: index for index, group in enumerate(groups) for member in group.members}
@@ -240,11 +233,12 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     stats = PlanStats(samples=samples, logical_tokens=samples_end, physical_tokens=physical,
                       groups=len(shared_groups), shared_samples=sum(len(g.members) for g in shared_groups),
                       alone=sum(1 for g in groups if not g.shared), split_hints=split,
-                      padding_tokens=logical_padding, filler_rows=filler)
+                      padding_tokens=padding.tokens, padding_rows=padding.rows - padding.filler,
+                      filler_rows=padding.filler)
     return SharedPrefixPlan(tokens=tokens, positions=positions, segments=segments, reach=reach_t[segments],
                             segment_starts=starts_t, segment_parents=parents, segment_depths=depths,
                             logical_rows=logical_rows, logical_tokens=ids, groups=groups, stats=stats,
-                            padding_rows=logical_padding + filler,
+                            padding_rows=padding.rows,
                             sequence_bounds=torch.tensor(bounds, dtype=torch.int64))
 
 

@@ -38,14 +38,18 @@ def _agree(got: dict, want: dict, dtype=torch.float32) -> None:
 
 
 def _equals_the_packed_path(batch, depth: int, dtype, **config) -> None:
-    """A model of MTP depth `depth` trained on `batch` planned against packed: losses, gradients, and
-    each depth's layer computing the rows its samples share once, fewer than packed."""
+    """A model of MTP depth `depth` trained on `batch` planned against packed (a padding sequence of
+    one repeated id on one row, as the doors plan it for this model): losses, gradients, and each
+    depth's layer computing the rows its samples share once, fewer than packed."""
+    from megatron_rl_patches.shared_prefix import repeated_padding_alike
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
     model = build_mtp_gpt(tiny_gpt_config(mtp_num_layers=depth, params_dtype=dtype, pipeline_dtype=dtype, **config))
+    once = repeated_padding_alike(model)
+    assert once
     want = mtp_pass(model, batch, ordinary)
     seen, hooks = layer_rows(model)
-    got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
+    got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, repeated_padding_once=once, **kw))
     for hook in hooks:
         hook.remove()
     _agree(got, want, dtype)
