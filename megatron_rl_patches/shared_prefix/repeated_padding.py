@@ -15,15 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.model.chunks import modules_of
-from megatron_rl_patches.model.kinds import is_language_model, qualified_name
+from megatron_rl_patches.model.kinds import is_language_model
 from megatron_rl_patches.ops.agreement import agreed_min, world
-from megatron_rl_patches.shared_prefix.gated_delta_net import is_gated_delta_net
 from megatron_rl_patches.shared_prefix.slime_gated_delta_net import is_slime_gated_delta_net
 
-# layers that carry a state along the rows, known by name (the package's inference layer lives in a room
-# shared_prefix does not import; Mamba's mixer is refused by a plan, named here all the same)
-RECURRENT = ("megatron_rl_patches.inference.gated_delta_net.GatedDeltaNetLayer",
-             "megatron.core.ssm.mamba_mixer.MambaMixer")
+# layers that carry a state along the rows, known by their class names as the refusals know them: megatron-core's
+# gated delta nets (0.16's and 0.19's), slime's (inside its layer), the package's inference layer; Mamba's mixer
+RECURRENT = ("GatedDeltaNet", "MambaMixer")
 
 
 def repeated_padding_alike(model: Any, group: Any = None) -> bool:
@@ -40,7 +38,7 @@ def _alike_here(model: Any) -> bool:
             return False
         if getattr(getattr(module, "config", None), "softmax_type", None) not in (None, "vanilla"):
             return False
-        if (is_gated_delta_net(module) or is_slime_gated_delta_net(module)
-                or any(qualified_name(cls) in RECURRENT for cls in type(module).__mro__)):
+        if is_slime_gated_delta_net(module) or any(kind in cls.__name__ for cls in type(module).__mro__
+                                                   for kind in RECURRENT):
             return False
     return True

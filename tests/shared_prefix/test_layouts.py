@@ -317,6 +317,9 @@ def _pipeline_checks() -> dict:
         out["grads"] = grad_error(grads, want_grads)
         out["log_probs"] = max((relative_error(g, w) for g, w in zip(got, want)), default=0.0)
         out["last"] = post
+        from megatron_rl_patches.shared_prefix import repeated_padding_alike
+
+        alike = [repeated_padding_alike([model])]  # a run of one padding id on one row, on both stages
         # a layer kind on the second stage only: both stages refuse, with the same words
         if post:
             import torch
@@ -331,6 +334,7 @@ def _pipeline_checks() -> dict:
             out["recurrent"] = None
         except ValueError as exc:
             out["recurrent"] = str(exc)
+        out["alike"] = [*alike, repeated_padding_alike([model])]  # the first stage too lays it out row by row
     return out
 
 
@@ -756,6 +760,7 @@ def test_sequence_parallel_statistics_count_a_shared_token_once_per_sample(world
 def test_a_layer_kind_on_one_stage_is_refused_on_both(world):
     reasons = [rank["pp2"]["recurrent"] for rank in world]
     assert reasons[0] == reasons[1] and "Mamba layers" in reasons[0]
+    assert [rank["pp2"]["alike"] for rank in world] == [[True, False]] * 2  # agreed: padding laid out alike
 
 
 @pytest.mark.parametrize("layout", [pytest.param("zigzag", marks=layouts.mark("cp2-zigzag")),

@@ -107,10 +107,11 @@ def test_the_negative_control_the_logical_states_in_a_depth_stream_fail_loudly(m
 def test_the_plan_reads_as_its_logical_sequences(megatron_cpu):
     from megatron_rl_patches.shared_prefix import mtp
 
-    batch = constant_padding(((6, (2, 3)),), (2,), padding=2)
-    plan = batch.plan()
-    assert mtp.logical_params(plan).cu_seqlens_q.tolist() == batch.cu_seqlens.tolist()
-    assert torch.equal(mtp.logical_positions(plan)[None], batch.positions)
+    for batch in (constant_padding(((6, (2, 3)),), (2,), padding=3), varying_padding(((6, (2, 3)),), (2,))):
+        for once in (False, True):  # each padding sequence as packed, a run of one id on one row or not
+            plan = batch.plan(repeated_padding_once=once)
+            assert mtp.logical_params(plan).cu_seqlens_q.tolist() == batch.cu_seqlens.tolist()
+            assert torch.equal(mtp.logical_positions(plan)[None], batch.positions)
 
 
 @layouts.mark("moe")

@@ -10,8 +10,10 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-RECURRENT = ["megatron.core.ssm.gated_delta_net.GatedDeltaNet", "slime_plugins.models.qwen3_5.Attention",
-             "slime_plugins.models.qwen3_next.Attention",
+RECURRENT = ["megatron.core.ssm.gated_delta_net.GatedDeltaNet",  # megatron-core 0.16's
+             "megatron.core.ssm.gated_delta_net.gdn.GatedDeltaNet",  # and later ones'
+             "slime_plugins.models.qwen3_5.Attention", "slime_plugins.models.qwen3_next.Attention",
+             "slime_plugins.models.qwen3_next.Qwen3NextGatedDeltaNet",
              "megatron_rl_patches.inference.gated_delta_net.GatedDeltaNetLayer",
              "megatron.core.ssm.mamba_mixer.MambaMixer"]
 
