@@ -9,6 +9,8 @@ megatron-core's own schedule:
   reader's backward; a sample past the budget in chunks.
 Cases: an agentic group (P = 3,000, R = 200, G = 8 at a budget of 3,200 computed tokens) and one
 trajectory as a sample per turn (a system prompt and turns, the last samples past the budget).
+Each pass scores the rows predicting each sample's last response tokens (its loss: the log-probs through
+the fused head, `log_prob_output_processor`), as the `grpo` shape does.
 Per row: the micro-batches, the tokens the model computes in a forward-only pass (the embedding's
 ids) and those a training step runs again in backward, the training step's and the forward-only
 pass's CPU time (medians over interleaved rounds after a warm-up round, one torch thread) and their
@@ -35,28 +37,32 @@ COLUMNS = ("case", "packing", "micro_batches", "tokens", "recomputed", "train_cp
            "forward_cpu_ms", "forward_vs_whole", "peak_MiB", "peak_vs_per_micro_batch", "max_abs_diff")
 
 
-def samples_of(plan: dict) -> list[tuple[str, list[list[int]]]]:
+def samples_of(plan: dict) -> list[tuple[str, list[list[int]], int]]:
+    """(case, samples, the response tokens each sample ends with: the rows scored)."""
     from megatron_rl_patches.apps.bench.shared_prefix_budgets import group_samples, turn_samples
 
     p, r, g = plan["group"]
     system, turn, turns = plan["turns"]
-    return [(f"agentic P={p}, R={r}, G={g}", [[t % plan["vocab"] for t in s] for s in group_samples(p, r, g)]),
+    return [(f"agentic P={p}, R={r}, G={g}", [[t % plan["vocab"] for t in s] for s in group_samples(p, r, g)], r),
             (f"a sample per turn: {system} + {turns} x {turn}",
-             [[t % plan["vocab"] for t in s] for s in turn_samples(system, turn, turns)])]
+             [[t % plan["vocab"] for t in s] for s in turn_samples(system, turn, turns)], turn)]
 
 
-def packed_micro_batch(samples: list[list[int]], batch: list[int]) -> dict:
-    """One micro-batch packed as frameworks pack it: ids [1, T], next-token labels, cu_seqlens, positions."""
+def packed_micro_batch(samples: list[list[int]], batch: list[int], response: int) -> dict:
+    """One micro-batch packed as frameworks pack it: ids [1, T], next-token labels, cu_seqlens, and the
+    rows predicting each sample's last `response` tokens (the log-probs a loss reads)."""
     import torch
 
     chosen = [samples[i] for i in batch]
     ids = torch.tensor([t for s in chosen for t in s])
     cu = torch.tensor([0, *torch.tensor([len(s) for s in chosen]).cumsum(0).tolist()], dtype=torch.int32)
-    return {"tokens": ids[None], "labels": torch.roll(ids, -1)[None], "cu_seqlens": cu,
-            "positions": torch.cat([torch.arange(len(s)) for s in chosen])[None]}
+    rows = torch.zeros(1, ids.numel(), dtype=torch.bool)
+    for end in cu[1:].tolist():
+        rows[0, end - response - 1:end - 1] = True
+    return {"tokens": ids[None], "labels": torch.roll(ids, -1)[None], "cu_seqlens": cu, "rows": rows}
 
 
-def route_params(route: str, samples: list[list[int]], budget: int) -> list[tuple[dict, Any]]:
+def route_params(route: str, samples: list[list[int]], budget: int, response: int) -> list[tuple[dict, Any]]:
     """(micro-batch, its packed_seq_params) per micro-batch of the step, packed as `route` packs it."""
     from megatron_rl_patches.shared_prefix import (
         plan_shared_prefix,
@@ -68,12 +74,12 @@ def route_params(route: str, samples: list[list[int]], budget: int) -> list[tupl
 
     if route == PER_STEP:
         cuts = shared_prefix_micro_batches(samples, budget, held_cost=0.0)
-        batches = [packed_micro_batch(samples, cut) for cut in cuts]
+        batches = [packed_micro_batch(samples, cut, response) for cut in cuts]
         step = plan_shared_prefix_step([(b["tokens"], b["cu_seqlens"]) for b in batches], max_tokens=budget)
         return [(b, shared_prefix_params(p)) for b, p in zip(batches, step.plans)]
     values = [sample_ids(s, i) for i, s in enumerate(samples)]
     cuts = physical_micro_batches(values, budget, min_shared=1 if route == PER_MICRO_BATCH else 10 ** 9)
-    batches = [packed_micro_batch(samples, cut) for cut in cuts]
+    batches = [packed_micro_batch(samples, cut, response) for cut in cuts]
     longest = max(len(s) for s in samples) + 1
     return [(b, shared_prefix_params(plan_shared_prefix(b["tokens"], b["cu_seqlens"],
                                                         min_shared=1 if route == PER_MICRO_BATCH else longest)))
@@ -86,8 +92,9 @@ def step_pass(model: Any, micro_batches: list[tuple[dict, Any]], train: bool) ->
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rl_patches import log_probs_and_entropy
+    from megatron_rl_patches import log_prob_output_processor
 
+    processor = log_prob_output_processor()
     seen = [0]
     hook = model.embedding.register_forward_pre_hook(lambda m, a, k: seen.__setitem__(0, seen[0] + int(
         (k.get("input_ids") if "input_ids" in k else a[0]).numel())), with_kwargs=True)
@@ -95,15 +102,16 @@ def step_pass(model: Any, micro_batches: list[tuple[dict, Any]], train: bool) ->
 
     def forward_step(iterator: Any, one: Any) -> tuple[Any, Any]:
         batch, params = next(iterator)
-        logits = one(batch["tokens"], None, None, packed_seq_params=params)
+        scored = one(batch["tokens"], None, None, labels=batch["labels"], packed_seq_params=params,
+                     output_processor=processor, output_processor_context={"row_mask": batch["rows"]})
 
         def loss(output: Any) -> tuple[Any, dict]:
-            log_probs, _ = log_probs_and_entropy(output[0], batch["labels"][0])
+            log_probs = output["log_probs"][batch["rows"]]
             kept.append(log_probs.detach())
             value = -log_probs.mean()
             return value, {"loss": value.detach()}
 
-        return logits, loss
+        return scored, loss
 
     started = time.process_time()
     try:
@@ -120,6 +128,7 @@ def step_pass(model: Any, micro_batches: list[tuple[dict, Any]], train: bool) ->
 def measure(plan: dict) -> list[dict]:
     import torch
 
+    import megatron_rl_patches
     from megatron_rl_patches.apps.bench.shared_prefix import build_model
     from megatron_rl_patches.shared_prefix import prepare_shared_prefix
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
@@ -129,12 +138,13 @@ def measure(plan: dict) -> list[dict]:
     rows = []
     cases = samples_of(plan)
     lines = CaseLines(len(cases))
+    megatron_rl_patches.apply(only="gpt_output_processor")  # the output_processor keyword before megatron-core 0.18
     try:
         with megatron_world("cpu"):
-            longest = max(len(s) for _, samples in cases for s in samples)
+            longest = max(len(s) for _, samples, _ in cases for s in samples)
             model = prepare_shared_prefix(build_model({**plan, "cases": ((longest, 0, 1),)}))
-            for case, samples in cases:
-                routes = {route: route_params(route, samples, plan["budget"])
+            for case, samples, response in cases:
+                routes = {route: route_params(route, samples, plan["budget"], response)
                           for route in (WHOLE, PER_MICRO_BATCH, PER_STEP)}
                 times: dict[str, dict[str, list[float]]] = {r: {"train": [], "forward": []} for r in routes}
                 peaks: dict[str, int] = {}
@@ -142,10 +152,10 @@ def measure(plan: dict) -> list[dict]:
                 for round_index in range(plan["rounds"] + 1):
                     for route, micro_batches in routes.items():
                         if route == PER_STEP:  # a step's plans hold their segments once: made anew each pass
-                            micro_batches = route_params(route, samples, plan["budget"])
+                            micro_batches = route_params(route, samples, plan["budget"], response)
                         log_probs, forward, tokens = step_pass(model, micro_batches, train=False)
                         if route == PER_STEP:
-                            micro_batches = route_params(route, samples, plan["budget"])
+                            micro_batches = route_params(route, samples, plan["budget"], response)
                         probe = MemoryProbe("cpu")
                         probe.start()
                         _, train, ran = step_pass(model, micro_batches, train=True)
@@ -170,6 +180,7 @@ def measure(plan: dict) -> list[dict]:
                 lines.ended(f"{case}: once per step {ours['tokens']} tokens, the training step "
                             f"{ours['train_vs_whole']:.2f}x packed whole's CPU time")
     finally:
+        megatron_rl_patches.revert()
         torch.set_num_threads(threads)
     return rows
 
