@@ -14,8 +14,9 @@ the fused head, `log_prob_output_processor`), as the `grpo` shape does.
 Per row: the micro-batches, the tokens the model computes in a forward-only pass (the embedding's
 ids) and those a training step runs again in backward, the training step's and the forward-only
 pass's CPU time (medians over interleaved rounds after a warm-up round, one torch thread) and their
-ratios to `packed whole`, the resident set's peak above the model during the training step against
-`once per micro-batch`'s, and the log-probs' largest difference from `packed whole`'s."""
+ratios to `packed whole`, the resident set's peak above the model during one training step, each
+route's in a fresh process (`runner.run_cases`), against `once per micro-batch`'s, and the log-probs'
+largest difference from `packed whole`'s, sample by sample."""
 # lazy imports: import cost: torch and megatron-core load when a benchmark runs
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any
 from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 from megatron_rl_patches.apps.bench.measure import MIB, MemoryProbe
 from megatron_rl_patches.apps.bench.progress import CaseLines
+from megatron_rl_patches.apps.bench.runner import run_cases
 
 SHAPES = ("agentic",)
 FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 2,
@@ -59,7 +61,8 @@ def packed_micro_batch(samples: list[list[int]], batch: list[int], response: int
     rows = torch.zeros(1, ids.numel(), dtype=torch.bool)
     for end in cu[1:].tolist():
         rows[0, end - response - 1:end - 1] = True
-    return {"tokens": ids[None], "labels": torch.roll(ids, -1)[None], "cu_seqlens": cu, "rows": rows}
+    return {"tokens": ids[None], "labels": torch.roll(ids, -1)[None], "cu_seqlens": cu, "rows": rows,
+            "samples": list(batch)}
 
 
 def route_params(route: str, samples: list[list[int]], budget: int, response: int) -> list[tuple[dict, Any]]:
@@ -122,7 +125,35 @@ def step_pass(model: Any, micro_batches: list[tuple[dict, Any]], train: bool) ->
     finally:
         hook.remove()
     model.zero_grad(set_to_none=True)
-    return torch.cat(kept), time.process_time() - started, seen[0]
+    order = [sample for batch, _ in micro_batches for sample in batch["samples"]]
+    by_sample = torch.cat(kept).reshape(len(order), -1)  # each sample's response rows, as its micro-batch held them
+    return by_sample[torch.tensor(order).argsort()], time.process_time() - started, seen[0]
+
+
+def peak_case(probe: Any, *, quick: bool, case: int, route: str) -> dict:
+    """One training step of `route` on case `case`, in a fresh process (`runner.run_cases`): the
+    resident set's peak above the model and the step's plans, in bytes."""
+    import megatron_rl_patches
+    from megatron_rl_patches.apps.bench.shared_prefix import build_model
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+    from megatron_rl_patches.testing.megatron_cpu import megatron_world
+
+    plan = QUICK if quick else FULL
+    cases = samples_of(plan)
+    _, samples, response = cases[case]
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    with megatron_world("cpu"):
+        longest = max(len(s) for _, one, _ in cases for s in one)
+        model = prepare_shared_prefix(build_model({**plan, "cases": ((longest, 0, 1),)}))
+        return peak_here(model, route_params(route, samples, plan["budget"], response), probe)
+
+
+def peak_here(model: Any, micro_batches: list[tuple[dict, Any]], probe: Any = None) -> dict:
+    """The resident set's peak during one training step of `micro_batches`, in bytes."""
+    probe = probe if probe is not None else MemoryProbe("cpu")
+    probe.start()
+    step_pass(model, micro_batches, train=True)
+    return {"peak_bytes": probe.peak()}
 
 
 def measure(plan: dict) -> list[dict]:
@@ -147,7 +178,6 @@ def measure(plan: dict) -> list[dict]:
                 routes = {route: route_params(route, samples, plan["budget"], response)
                           for route in (WHOLE, PER_MICRO_BATCH, PER_STEP)}
                 times: dict[str, dict[str, list[float]]] = {r: {"train": [], "forward": []} for r in routes}
-                peaks: dict[str, int] = {}
                 out: dict[str, Any] = {}
                 for round_index in range(plan["rounds"] + 1):
                     for route, micro_batches in routes.items():
@@ -156,14 +186,18 @@ def measure(plan: dict) -> list[dict]:
                         log_probs, forward, tokens = step_pass(model, micro_batches, train=False)
                         if route == PER_STEP:
                             micro_batches = route_params(route, samples, plan["budget"], response)
-                        probe = MemoryProbe("cpu")
-                        probe.start()
                         _, train, ran = step_pass(model, micro_batches, train=True)
-                        peaks[route] = max(peaks.get(route, 0), probe.peak())
                         out[route] = (log_probs, tokens, ran - tokens, len(micro_batches))
                         if round_index:  # the first round warms up
                             times[route]["forward"].append(forward)
                             times[route]["train"].append(train)
+                index = [c for c, _, _ in cases].index(case)
+                asked = [{"target": f"{__name__}:peak_case", "kwargs": {"quick": plan is QUICK, "case": index,
+                                                                        "route": route}} for route in routes]
+                # --quick: in this process (its figures are the allocator's, not the step's: not representative)
+                measured = ([peak_here(model, route_params(route, samples, plan["budget"], response))
+                             for route in routes] if plan is QUICK else run_cases(asked))
+                peaks = {route: int(one.get("peak_bytes", 0)) for route, one in zip(routes, measured)}
                 whole = {k: statistics.median(v) for k, v in times[WHOLE].items()}
                 for route in routes:
                     log_probs, tokens, recomputed, count = out[route]
