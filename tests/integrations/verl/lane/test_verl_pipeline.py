@@ -5,7 +5,12 @@ the entropy bonus) run inside megatron-core's own forward-backward schedule as v
 two micro-batches): the stages before the last hand their hidden states on, the last one meets
 `verl_fused_logprobs`. Against verl's own unpatched logits path on the same chunks: each
 micro-batch's log-probs and entropy and loss (last stage) and every chunk's gradients (every
-stage). Negative control: another micro-batch's log-probs are told apart."""
+stage). Negative control: another micro-batch's log-probs are told apart.
+
+MEGATRON_RL_PATCHES_SHARED_PREFIX=1 at PP = 2 through verl's real `forward_backward_batch`
+(`prefix_checks`): the first stage plans the packed ids, the last one the samples verl hands it
+unpacked, both the same sharing plan; both routes' training step and the forward-only pass against
+the same passes packed whole, the first stage's embedding against the samples' trie."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +21,7 @@ pytest.importorskip("verl.models", reason="verl is not installed: run `make test
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
 import verl_kit as kit  # noqa: E402
+from prefix_checks import PREFIX_TOLERANCE, prefix_checks  # noqa: E402
 from verl_kit import CONTROL, ENTROPY_COEFF, PROMPTS, REL, RESPONSES, TEMPERATURE  # noqa: E402
 
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
@@ -109,6 +115,8 @@ def _world(rank: int, world_size: int) -> dict:
     for name, virtual in LAYOUTS.items():
         with megatron_on_cpu(pipeline_parallel=2, virtual_pipeline=virtual):
             results[name] = _checks(virtual)
+            if virtual is None:
+                results["prefix-pp2"] = prefix_checks(_chunks(None)[0], align=1)
     return results
 
 
@@ -128,3 +136,21 @@ def test_pipelined_fused_route_equals_verls_logits_path(pipeline_world, layout):
     assert max(last["log_probs"], last["entropy"], last["loss"]) < REL, last
     assert last["unread_rows"] == 0.0  # the rows verl never reads met no output weight
     assert last["control_other_micro_batch"] > CONTROL  # the comparison tells the micro-batches apart
+
+
+@layouts.mark("pp2", "thd")
+def test_shared_prefix_at_pipeline_parallelism_equals_each_sample_packed_whole(pipeline_world):
+    """Setting on against off at PP = 2: the last stage's log-probs, entropy and loss within 1e-6, every
+    stage's gradients too, the first stage's embedding running the samples' trie."""
+    first, last = (result["prefix-pp2"] for result in pipeline_world)
+    print(first, last)
+    for what in ("unfused-train", "fused-train", "unfused-forward"):
+        assert first[what]["rows_whole"] == [first["logical_rows"]], what
+        assert first[what]["rows_planned"] == [first["trie_rows"]] < [first["logical_rows"]], what
+        assert last[what]["rows_whole"] == last[what]["rows_planned"] == [], what  # no embedding on the last stage
+        errors = {key: last[what][key] for key in ("log_probs", "entropy", "loss", "grads") if key in last[what]}
+        errors.update({f"first-{key}": first[what][key] for key in ("grads",) if key in first[what]})
+        assert {"log_probs", "entropy"} <= set(errors) and max(errors.values()) < PREFIX_TOLERANCE, (what, errors)
+        assert last[what]["control"] > CONTROL, what
+        if what.endswith("train"):
+            assert "loss" in errors and "first-grads" in errors and first[what]["same_names"], what
