@@ -163,7 +163,8 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 # a refused config field -> the fields a user changes (the field itself where it is not listed)
-FIXES: dict[str, tuple[str, ...]] = {"multi_latent_attention": ("apply_rope_fusion", "rotary_interleaved")}
+FIXES: dict[str, tuple[str, ...]] = {"multi_latent_attention": ("apply_rope_fusion",),
+                                     "pipeline_model_parallel_size": ("variable_seq_lengths",)}
 
 
 def feature(key: str) -> Feature:

@@ -59,11 +59,11 @@ def test_under_strict_the_same_words_raise_and_nothing_is_prepared(megatron_cpu)
 
 
 def test_a_models_refusal_is_answered_with_each_frameworks_own_flag():
-    assert changes("slime", ROPE) == "--no-rope-fusion; drop --rotary-interleaved"
+    assert changes("slime", ROPE) == "--no-rope-fusion"
     assert changes("verl", ROPE).startswith(
         "+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=False")
     assert changes("nemo-rl", ROPE).startswith("policy.megatron_cfg.apply_rope_fusion=false")
-    assert changes("megatron", ROPE) == "the model config's apply_rope_fusion; the model config's rotary_interleaved"
+    assert changes("megatron", ROPE) == "the model config's apply_rope_fusion"
     assert changes("slime", "a layer the plan does not know (no field)") == ""
 
 
