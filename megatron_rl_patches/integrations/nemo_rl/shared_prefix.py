@@ -69,18 +69,18 @@ def pass_name(post_processing_fn: Any, forward_only: bool) -> str:
     return f"NeMo-RL's pass ({kind})"
 
 
-def call_layout(arguments: dict, pipeline: int) -> Layout:
+def call_layout(arguments: dict, pipeline: int, mtp: bool = False) -> Layout:
     """What of NeMo-RL's call the shared-prefix table reads (each an argument of `megatron_forward_backward`
     or a parallel size, the same on every rank): sequence packing, router replay, a draft model's
-    hidden-state capture, NeMo-RL's own fused head, and pipeline stages (NeMo-RL pads every packed
-    micro-batch to one length for them: `pipeline`, the pipeline-parallel size)."""
+    hidden-state capture, NeMo-RL's own fused head, pipeline stages (NeMo-RL pads every packed
+    micro-batch to one length for them: `pipeline`, the pipeline-parallel size) and MTP layers (`mtp`)."""
     cfg: Any = getattr(arguments.get("post_processing_fn"), "cfg", None)
     packing: Any = cfg.get("sequence_packing", {}) if hasattr(cfg, "get") else {}
     return Layout(packed=bool(packing.get("enabled", False)), routing_replay=bool(arguments.get("use_router_replay")),
                   draft_capture=(arguments.get("draft_model") is not None
                                  or bool(arguments.get("enable_hidden_capture"))),
                   own_fused_head=bool(arguments.get("use_fused_linear_logprobs")),
-                  fixed_lengths=pipeline > 1)
+                  fixed_lengths=pipeline > 1, mtp_training=mtp)
 
 
 def forward_backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -98,7 +98,8 @@ def forward_backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     what = pass_name(arguments.get("post_processing_fn"), forward_only)
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
-    layout = call_layout(arguments, parallel_state.get_pipeline_model_parallel_world_size())
+    layout = call_layout(arguments, parallel_state.get_pipeline_model_parallel_world_size(),
+                         mtp=has_mtp(arguments["model"]))
     prefix = prefix_pass(what, arguments["model"], training=not forward_only, enabled=True, cut_layout="zigzag",
                          framework=NEMO_RL, layout=layout)
     if prefix is None:
@@ -106,6 +107,14 @@ def forward_backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     arguments["data_iterator"] = PassIterator(arguments["data_iterator"], prefix)
     with logged(prefix):
         return wrapped(*bound.args, **bound.kwargs)
+
+
+def has_mtp(model: Any) -> bool:
+    """Whether NeMo-RL's model (a chunk or a list of them, wrapped or not) has MTP layers."""
+    from megatron.core.utils import get_model_config  # lazy: optional dependency megatron-core
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return any(int(getattr(get_model_config(chunk), "mtp_num_layers", None) or 0) > 0 for chunk in chunks)
 
 
 class PlannedModel:

@@ -126,7 +126,8 @@ def offline_verdicts(framework_key: str, model: ModelFacts, parallel: Parallel, 
     door = FRAMEWORKS[framework_key]
     version = version or MEGATRON_CORE[framework_key]
     layout = Layout(context_layout=parallel.cp_layout, vision=model.vision, routing_replay=parallel.routing_replay,
-                    fixed_lengths=framework_key == NEMO_RL and parallel.pp > 1)
+                    fixed_lengths=framework_key == NEMO_RL and parallel.pp > 1,
+                    mtp_training=bool(model.fields.get("mtp_num_layers")))
     config = type("ModelConfig", (), {})()
     vars(config).update(config_fields(framework_key, model, parallel))
     refused = REFUSED if strict or framework_key == MEGATRON else PACKED_WHOLE

@@ -46,7 +46,7 @@ class Layout:
     packed: bool = True  # packed (thd); False: verl's use_remove_padding=False, NeMo-RL's sequence packing off
     vision: bool = False  # a vision-language model (its images merged into the embedding)
     routing_replay: bool = False  # MoE routes recorded by the rollout and replayed
-    mtp_training: bool = False  # the MTP block trained (verl's mtp.enable_train)
+    mtp_training: bool = False  # an MTP block that runs (verl's mtp.enable_train, NeMo-RL's mtp_num_layers)
     fixed_lengths: bool = False  # every micro-batch padded to one length for the pipeline (NeMo-RL at PP > 1)
     draft_capture: bool = False  # NeMo-RL: a draft model's hidden-state capture
     own_fused_head: bool = False  # NeMo-RL's own use_fused_linear_logprobs
@@ -108,10 +108,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("ep", "EP", _all(SHARED)),
     Feature("mtp", "MTP training (depth 1, 2)", {
         SLIME: Cell(SHARED, "--enable-mtp-training"),
-        VERL: Cell(SHARED, "verl's own label roll on the sharing plan"),
-        NEMO_RL: Cell(SHARED, "megatron-core's MTP loss on the sharing plan"),
-        MEGATRON: Cell(SHARED),
-    }),
+        VERL: Cell(SHARED, "verl's own MTP loss rolls its labels on the sharing plan"),
+        NEMO_RL: Cell(WHOLE, "NeMo-RL's MTP layers (mtp_num_layers) are not yet tested with a sharing plan",
+                      "policy.megatron_cfg.mtp_num_layers=0, or switch the setting off"),
+        MEGATRON: Cell(SHARED, "megatron-core's MTP loss on the sharing plan"),
+    }, present=lambda layout: layout.mtp_training, fields=("mtp_num_layers",)),
     Feature("padded", "padded layout (no packing)", {
         SLIME: Cell(NOT_RUN, "slime packs every micro-batch (thd)"),
         VERL: Cell(WHOLE, "verl's padded layout (use_remove_padding=False) packs no sequences to share",

@@ -85,11 +85,13 @@ def test_every_row_has_a_cell_per_framework_and_packed_whole_says_what_to_change
     ("slime", Layout(vision=True), "multimodal_train_inputs"),
     ("verl", Layout(routing_replay=True), "router_replay.mode=disabled"),
     ("nemo-rl", Layout(routing_replay=True), "policy.router_replay.enabled=false"),
+    ("nemo-rl", Layout(mtp_training=True), "policy.megatron_cfg.mtp_num_layers=0"),
 ])
 def test_a_door_row_packs_whole_in_the_frameworks_words(key, layout, named):
     reasons = pass_verdict(key, layout)
     assert len(reasons) == 1 and named in reasons[0].said(), reasons
     assert pass_verdict(key, Layout()) == []
+    assert pass_verdict("verl", Layout(mtp_training=True)) == []  # verl's MTP training shares (the verl lane)
 
 
 def test_an_unknown_framework_is_named_with_the_choices():
