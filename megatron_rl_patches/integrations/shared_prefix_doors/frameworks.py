@@ -79,7 +79,14 @@ FRAMEWORKS: dict[str, Framework] = {
         }),
     MEGATRON: Framework(
         MEGATRON, "a hand-written megatron-core loop", None, ("every pass whose forward step plans its micro-batch",),
-        generic="the model config's {field}"),
+        generic="the model config's {field}",
+        fields={
+            "apply_rope_fusion": "config.apply_rope_fusion=False",
+            "variable_seq_lengths": "config.variable_seq_lengths=True",
+            "virtual_pipeline_model_parallel_size": "config.virtual_pipeline_model_parallel_size=None",
+            "moe_enable_routing_replay": "config.moe_enable_routing_replay=False",
+            "context_parallel_size": "config.context_parallel_size=1",
+        }),
 }
 OFF = f"{SHARED_PREFIX}=0"  # every framework's switch: the job runs each sample packed whole, without a warning
 

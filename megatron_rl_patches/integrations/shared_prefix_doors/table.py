@@ -71,7 +71,7 @@ def _all(outcome: str, why: str = "") -> dict[str, Cell]:
 
 
 VLM_WHY = "a vision-language model's prompt is merged with its images before the sharing plan could run"
-REPLAY_WHY = "the rollout's recorded routes are replayed per packed token"
+REPLAY_WHY = "the rollout's recorded expert choices are replayed per packed token"
 
 FEATURES: tuple[Feature, ...] = (
     Feature("tp", "TP", _all(SHARED)),
@@ -99,7 +99,7 @@ FEATURES: tuple[Feature, ...] = (
         NEMO_RL: Cell(WHOLE, "NeMo-RL pads every packed micro-batch to one length for its pipeline schedule, which "
                              "sends fixed shapes (variable_seq_lengths unset)",
                       "policy.megatron_cfg.pipeline_model_parallel_size=1"),
-        MEGATRON: Cell(SHARED, "with config.variable_seq_lengths=True"),
+        MEGATRON: Cell(SHARED, f"with {FRAMEWORKS[MEGATRON].change('variable_seq_lengths')}"),
     }, present=lambda layout: layout.fixed_lengths, fields=("pipeline_model_parallel_size",)),
     Feature("vpp", "VPP", {
         **{key: Cell(WHOLE, "interleaved (virtual) pipeline stages are not tested with a sharing plan",
@@ -125,7 +125,7 @@ FEATURES: tuple[Feature, ...] = (
         SLIME: Cell(WHOLE, f"{VLM_WHY} (slime's multimodal_train_inputs)", "none yet: switch the setting off"),
         VERL: Cell(WHOLE, f"{VLM_WHY} (hf_config.vision_config)", "none yet: switch the setting off"),
         NEMO_RL: Cell(WHOLE, f"{VLM_WHY} (NeMo-RL's multimodal inputs)", "none yet: switch the setting off"),
-        MEGATRON: Cell(WHOLE, VLM_WHY, "do not plan its micro-batches"),
+        MEGATRON: Cell(WHOLE, VLM_WHY, "pack its micro-batches whole"),
     }, present=lambda layout: layout.vision),
     Feature("routing-replay", "routing replay", {
         SLIME: Cell(WHOLE, f"{REPLAY_WHY} (--use-rollout-routing-replay)",
@@ -133,7 +133,8 @@ FEATURES: tuple[Feature, ...] = (
         VERL: Cell(WHOLE, f"{REPLAY_WHY} (router_replay.mode)", FRAMEWORKS[VERL].change("moe_enable_routing_replay")),
         NEMO_RL: Cell(WHOLE, f"{REPLAY_WHY} (use_router_replay)",
                       FRAMEWORKS[NEMO_RL].change("moe_enable_routing_replay")),
-        MEGATRON: Cell(WHOLE, f"{REPLAY_WHY} (moe_enable_routing_replay)", "moe_enable_routing_replay=False"),
+        MEGATRON: Cell(WHOLE, f"{REPLAY_WHY} (moe_enable_routing_replay)",
+                       FRAMEWORKS[MEGATRON].change("moe_enable_routing_replay")),
     }, present=lambda layout: layout.routing_replay, fields=("moe_enable_routing_replay",)),
     Feature("draft", "a draft model's hidden-state capture", {
         **_all(NOT_RUN, "NeMo-RL's alone"),

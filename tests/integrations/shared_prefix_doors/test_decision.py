@@ -63,7 +63,7 @@ def test_a_models_refusal_is_answered_with_each_frameworks_own_flag():
     assert changes("verl", ROPE).startswith(
         "+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=False")
     assert changes("nemo-rl", ROPE).startswith("policy.megatron_cfg.apply_rope_fusion=false")
-    assert changes("megatron", ROPE) == "the model config's apply_rope_fusion"
+    assert changes("megatron", ROPE) == "config.apply_rope_fusion=False"
     assert changes("slime", "a layer the plan does not know (no field)") == ""
 
 

@@ -178,9 +178,13 @@ def mtp_checks(model: Any) -> dict:
             "rows_whole": whole["rows"], "rows_planned": planned["rows"]}
 
 
-def prefix_checks(model: Any, align: int, context: int = 1) -> dict:
-    """Both routes' training step and the forward-only pass (unfused), planned against packed whole, at
-    tensor-parallel size `align` and context-parallel size `context` (the embedding's rows per rank)."""
+ALL_PASSES = ("unfused-train", "unfused-forward", "fused-train")
+
+
+def prefix_checks(model: Any, align: int, context: int = 1, passes: tuple[str, ...] = ALL_PASSES) -> dict:
+    """`passes` (both routes' training step and the forward-only pass, unfused), planned against packed
+    whole, at tensor-parallel size `align` and context-parallel size `context` (the embedding's rows per
+    rank)."""
     import time
 
     import megatron_rl_patches
@@ -194,9 +198,11 @@ def prefix_checks(model: Any, align: int, context: int = 1) -> dict:
         route = "fused" if fused else "unfused"
         megatron_rl_patches.apply(only="verl_fused_logprobs")
         try:
-            for forward_only in ((False, True) if not fused else (False,)):
-                whole, planned = (_pass(model, fused, forward_only, on) for on in (False, True))
+            for forward_only in (False, True):
                 what = f"{route}-{'forward' if forward_only else 'train'}"
+                if what not in passes:
+                    continue
+                whole, planned = (_pass(model, fused, forward_only, on) for on in (False, True))
                 out[what] = {"rows_whole": whole["rows"], "rows_planned": planned["rows"]}
                 if "log_probs" in whole:  # the last pipeline stage
                     out[what].update(log_probs=_error(planned["log_probs"], whole["log_probs"]),
