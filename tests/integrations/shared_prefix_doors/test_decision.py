@@ -53,7 +53,7 @@ def test_under_strict_the_same_words_raise_and_nothing_is_prepared(megatron_cpu)
                     layout=Layout(routing_replay=True), strict=True)
     message = str(raised.value)
     assert message.startswith("MEGATRON_RL_PATCHES_SHARED_PREFIX=1 with MEGATRON_RL_PATCHES_STRICT=1: slime's log-prob "
-                              "pass cannot pack a group's prompt once: the rollout's recorded routes")
+                              "pass cannot pack a group's prompt once: the rollout's recorded expert choices")
     assert "drop --use-rollout-routing-replay" in message and "MEGATRON_RL_PATCHES_SHARED_PREFIX=0" in message
     assert not getattr(model, "_megatron_rl_patches_shared_prefix", False)  # the model was not prepared
 
