@@ -86,7 +86,8 @@ def test_every_row_has_a_cell_per_framework_and_packed_whole_says_what_to_change
     ("verl", Layout(routing_replay=True), "router_replay.mode=disabled"),
     ("nemo-rl", Layout(routing_replay=True), "policy.router_replay.enabled=false"),
     ("nemo-rl", Layout(mtp_training=True), "policy.megatron_cfg.mtp_num_layers=0"),
-])
+], ids=["verl-padded", "nemo-rl-padded", "nemo-rl-pipeline", "slime-vision", "verl-replay", "nemo-rl-replay",
+        "nemo-rl-mtp"])
 def test_a_door_row_packs_whole_in_the_frameworks_words(key, layout, named):
     reasons = pass_verdict(key, layout)
     assert len(reasons) == 1 and named in reasons[0].said(), reasons
@@ -97,3 +98,20 @@ def test_a_door_row_packs_whole_in_the_frameworks_words(key, layout, named):
 def test_an_unknown_framework_is_named_with_the_choices():
     with pytest.raises(ValueError, match="framework='deepspeed' is not one .* slime, verl, nemo-rl, megatron"):
         framework("deepspeed")
+
+
+@pytest.mark.parametrize(("key", "change"), [
+    ("slime", "drop --num-virtual-stages-per-pipeline-rank (--num-layers-per-virtual-pipeline-stage)"),
+    ("verl", "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null"),
+    ("nemo-rl", "policy.megatron_cfg.virtual_pipeline_model_parallel_size=null"),
+], ids=["slime", "verl", "nemo-rl"])
+def test_a_config_field_the_plan_refuses_packs_whole_in_each_frameworks_words(key, change):
+    """Interleaved pipeline stages (virtual_pipeline_model_parallel_size=2), as the model's own check refuses
+    them: each framework's pass packs whole naming the field and that framework's setting."""
+    from megatron_rl_patches.shared_prefix.refusals import config_reasons
+
+    config = types.SimpleNamespace(virtual_pipeline_model_parallel_size=2)
+    (reason,) = config_reasons(config, training=True)
+    (said,) = [r.said() for r in pass_verdict(key, Layout(), model_reason=reason)]
+    assert "interleaved (virtual) pipeline stages (virtual_pipeline_model_parallel_size=2)" in said
+    assert said.endswith(f"(to share: {change})"), said

@@ -17,12 +17,15 @@ pytestmark = [pytest.mark.nemo_rl, pytest.mark.multirank, pytest.mark.slow]
 
 import shared_prefix_ranks as ranks  # noqa: E402
 
+from megatron_rl_patches.testing import layouts  # noqa: E402
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
 TOL = 1e-6  # float32, the same samples packed whole
 WORLDS = {2: [ranks.layout("tp1"), ranks.layout("tp2-sp", tp=2, sp=True), ranks.layout("cp2", cp=2)],
           4: [ranks.layout("cp2-tp2-sp", tp=2, sp=True, cp=2)]}  # ranks: layouts
-PLANNED = ["tp1", "tp2-sp", "cp2", "cp2-tp2-sp"]
+MARKS = {"tp1": ("thd",), "tp2-sp": ("tp2", "sp", "thd"), "cp2": ("cp2-zigzag", "thd"),
+         "cp2-tp2-sp": ("cp2-zigzag", "tp2", "sp", "thd")}
+PLANNED = [pytest.param(name, id=name, marks=layouts.mark(*marks)) for name, marks in MARKS.items()]
 _RESULTS: dict = {}
 
 
@@ -76,7 +79,8 @@ def test_training_steps_losses_and_every_gradient_equal(name):
             assert _fewer(figures["tokens"]), (step, figures["tokens"])
 
 
-@pytest.mark.parametrize("name", ["tp1", "tp2-sp"])
+@pytest.mark.parametrize("name", [pytest.param("tp1", marks=layouts.mark("thd", "bshd")),
+                                  pytest.param("tp2-sp", marks=layouts.mark("tp2", "sp", "bshd"))])
 def test_without_sequence_packing_the_pass_says_so_once_and_runs_whole(name):
     for out in _figures(name):
         figures = out["unpacked"]
