@@ -115,10 +115,6 @@ PATCHES = (
            "verl's engine passes (training, log-probs, reference) pack a group's prompt once where verl packs each "
            "micro-batch (MEGATRON_RL_PATCHES_SHARED_PREFIX=1)",
            ("self", "data", "loss_function", "forward_only"), optional=True),
-    _fused("verl.models.mcore.mtp_patch:_process_mtp_loss", "shared_prefix:mtp_loss_wrapper",
-           "verl's MTP loss rolls its labels on a shared-prefix micro-batch's packed rows, as megatron-core's does "
-           "(MEGATRON_RL_PATCHES_SHARED_PREFIX=1 with MTP training)",
-           ("labels", "loss_mask", "cp_group", "packed_seq_params"), optional=True),
     _fused(PACKER, "rows:packer_wrapper",
            "verl's label packing packs the read rows alike: the fused processor's row mask",
            ("input_ids", "pre_process", "need_roll"), optional=True),

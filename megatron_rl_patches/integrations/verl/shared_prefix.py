@@ -25,7 +25,8 @@ computes them, never read). Where verl hands the model less than the whole (`who
   as the first stage packs it, so every stage runs the same plan.
 
 MTP training runs on the plan as megatron-core's does: verl's own MTP loss (its copy of the GPT module's
-postprocess) rolls the labels it packed per depth on the micro-batch's packed rows (`mtp_loss_wrapper`).
+postprocess) rolls the labels it packed per depth on the micro-batch's packed rows (`planned_mtp_loss`,
+in place of verl's bound `process_mtp_loss` while a planned pass runs).
 
 What verl's layout cannot share packs whole, said once in verl's words: its padded `bshd` route
 (`use_remove_padding=False`), dynamic context parallelism, vision-language models (packed after the
@@ -35,6 +36,7 @@ vision embedding) and router replay (routes recorded per packed row). verl's cri
 # lazy imports: optional dependency verl
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -46,6 +48,7 @@ from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import VERL
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
 from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.ops.context_rows import local_rows
+from megatron_rl_patches.patching.shadow import shadowed
 from megatron_rl_patches.settings import shared_prefix
 from megatron_rl_patches.shared_prefix.context_parallel import WholeRotaryTable
 from megatron_rl_patches.shared_prefix.mtp import planned_label_roll
@@ -80,7 +83,7 @@ def verl_prefix_pass(engine: Any, what: str, training: bool) -> PrefixPass | Non
     """The pass's shared-prefix packing over the engine's chunks, or None: a pass that packs each sample
     whole (`prefix_pass`: decided alike on every rank before the pass's first collective). MTP training
     runs on the plan: verl's own copy of megatron-core's MTP loss rolls its labels on the micro-batch's
-    packed rows (`mtp_loss_wrapper`)."""
+    packed rows (`planned_mtp_loss`)."""
     layout = verl_layout(engine)
     extra = (OLD_MTP_LOSS,) if layout.mtp_training and not _verl_has_process_mtp_loss() else ()
     return prefix_pass(what, engine.module, training=training, enabled=True, cut_layout=CUT, framework=VERL,
@@ -122,21 +125,36 @@ def _verl_has_process_mtp_loss() -> bool:
     return bool(getattr(mtp_patch, "_HAS_PROCESS_MTP_LOSS", False))
 
 
-def mtp_loss_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper on verl's `mtp_patch._process_mtp_loss` (megatron-core's `process_mtp_loss`, bound by
-    verl at import, called by verl's own GPT postprocess): under a sharing plan the MTP labels and loss mask
-    verl packed (rolled by verl) are rolled per depth on the micro-batch's packed rows, as megatron-core's
-    own loss is (`planned_label_roll`); verl's context-parallel group read from the plan's params
-    (`_resolve_cp_group`: the plan's whole rotary table) is the model's. Without a plan: as it is."""
-    call = ArgumentsByName(wrapped, args, kwargs)
-    if shared_prefix_plan_of(call.get("packed_seq_params")) is None:
-        return wrapped(*args, **kwargs)
-    if isinstance(call.get("cp_group"), WholeRotaryTable):
-        from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+def planned_mtp_loss(original: Any) -> Any:
+    """verl's `mtp_patch._process_mtp_loss` (megatron-core's `process_mtp_loss`, bound by verl at import and
+    called by verl's own GPT postprocess) for a planned pass: under a sharing plan the MTP labels and loss
+    mask verl packed (rolled by verl) are rolled per depth on the micro-batch's packed rows, as
+    megatron-core's own loss is (`planned_label_roll`), and verl's context-parallel group read from the
+    plan's params (`_resolve_cp_group`: the plan's whole rotary table) is the model's. Without a plan: as it is."""
+    planned = planned_label_roll(original)
 
-        call.set("cp_group", parallel_state.get_context_parallel_group())
-    args, kwargs = call.done()
-    return planned_label_roll(wrapped)(*args, **kwargs)
+    def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
+        call = ArgumentsByName(original, args, kwargs)
+        if shared_prefix_plan_of(call.get("packed_seq_params")) is None:
+            return original(*args, **kwargs)
+        if isinstance(call.get("cp_group"), WholeRotaryTable):
+            from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+            call.set("cp_group", parallel_state.get_context_parallel_group())
+        args, kwargs = call.done()
+        return planned(*args, **kwargs)
+
+    return process_mtp_loss
+
+
+def mtp_loss_planned(engine: Any) -> Any:
+    """For the pass: verl's MTP loss taking the plan (`planned_mtp_loss`, shadowing verl's module's name while
+    the pass runs), where the engine trains MTP; nothing otherwise."""
+    if not mtp_training(engine) or not _verl_has_process_mtp_loss():
+        return contextlib.nullcontext()
+    from verl.models.mcore import mtp_patch
+
+    return shadowed(mtp_patch, _process_mtp_loss=planned_mtp_loss(mtp_patch._process_mtp_loss))
 
 
 def carried_attributes(params: Any, planned: Any) -> Any:
@@ -182,7 +200,7 @@ def forward_backward_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwa
     chunks = instance.module if isinstance(instance.module, (list, tuple)) else [instance.module]
     handles = [chunk.register_forward_pre_hook(plan_hook(prefix), with_kwargs=True, prepend=True) for chunk in chunks]
     try:
-        with logged(prefix):
+        with logged(prefix), mtp_loss_planned(instance):
             return wrapped(*args, **kwargs)
     finally:
         for handle in handles:
