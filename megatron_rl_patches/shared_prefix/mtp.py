@@ -9,7 +9,8 @@ prefix shares one row less per depth. The depth's stream is a plan of its own (`
 from the main plan's physical rows read d rows ahead (a physical row stands for its tokens 0..t,
 so two rows agree d ahead exactly when their samples agree up to t + d); a row whose t + d is past
 its sequence's end is its sample's own. The padding after the samples runs as megatron-core packs
-it (one sequence; its rows chained at their own positions, the last d reading id 0).
+it (each padding sequence its rows chained at their own positions, the last d reading id 0; the
+main stream computes each padding row by its own id, so each depth's does too).
 
 Each MTP layer's call then runs the depth's stream (`physical_layer_inputs`, a pre-hook): the
 previous depth's state (held at the logical rows) read at one logical row of each physical row,
@@ -80,24 +81,22 @@ def is_mtp_layer(module: Any) -> bool:
 
 
 def logical_positions(plan: SharedPrefixPlan) -> torch.Tensor:
-    """[T]: each logical row's position in its own sample; the padding counted from 0 as one sequence."""
+    """[T]: each logical row's position in its own sequence (a sample's, a padding sequence's), as the
+    packed path numbers it (`logical_bounds`)."""
     def build() -> torch.Tensor:
-        positions = plan.positions.index_select(0, plan.logical_rows)
-        samples_end = plan.stats.logical_tokens
-        positions[samples_end:] = torch.arange(plan.logical_length - samples_end)
-        return positions
+        bounds = torch.tensor(logical_bounds(plan), dtype=torch.int64)
+        return torch.arange(plan.logical_length) - torch.repeat_interleave(bounds[:-1], bounds.diff())
 
     return plan.cached(("mtp-positions",), build)
 
 
 def logical_bounds(plan: SharedPrefixPlan) -> list[int]:
-    """The micro-batch's sequences as packed: a sample starts where its position is 0; the rows past
-    the samples are one padding sequence."""
+    """The micro-batch's sequences as packed (megatron-core rolls each on its own): the `cu_seqlens`
+    the plan was built from, an empty sequence dropped, the rows past its end one more sequence (as
+    the plan runs them)."""
     def build() -> list[int]:
-        positions = logical_positions(plan)
-        samples_end = plan.stats.logical_tokens
-        starts = torch.nonzero(positions[:samples_end] == 0).flatten().tolist()
-        return [*starts, samples_end] + ([plan.logical_length] if plan.logical_length > samples_end else [])
+        bounds = sorted(set(plan.sequence_bounds.tolist()))
+        return bounds + ([plan.logical_length] if plan.logical_length > bounds[-1] else [])
 
     return plan.cached(("mtp-bounds",), build)
 

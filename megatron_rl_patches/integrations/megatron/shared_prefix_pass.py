@@ -33,6 +33,7 @@ from megatron_rl_patches.shared_prefix.model_hooks import (
     shared_prefix_params,
 )
 from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
+from megatron_rl_patches.shared_prefix.repeated_padding import repeated_padding_alike
 
 logger = logging.getLogger("megatron_rl_patches")
 # a host that hands each context-parallel rank its share only (the sharing plan is built from the whole micro-batch)
@@ -64,8 +65,10 @@ class PrefixPass:
     and context-parallel ranks holding the micro-batch), the model's vocabulary (`vocab`: a
     micro-batch holding an id past it is packed whole, for the model's own embedding to refuse as
     without the plan), `cut` the host's context-parallel cut (None: one rank holds each micro-batch
-    whole), and the pass's figures so far (summed `PlanStats`, and `packed_whole`: the micro-batches
-    that took the ordinary path)."""
+    whole), `repeated_padding_once` (a padding sequence of one repeated id computed on one row: for a
+    model that computes each row of it alike, `repeated_padding_alike`; slime pads with id 0), and the
+    pass's figures so far (summed `PlanStats`, and `packed_whole`: the micro-batches that took the
+    ordinary path)."""
 
     what: str
     pad_to: int = 1
@@ -73,6 +76,7 @@ class PrefixPass:
     vocab: int | None = None
     figures: dict[str, int] = field(default_factory=dict)
     cut: ContextCut | None = None
+    repeated_padding_once: bool = False
 
     def params(self, tokens: Any, packed_seq_params: Any, samples: int, whole: Any = None) -> Any:
         """The `packed_seq_params` of a micro-batch packed as `tokens` [1, T] by `packed_seq_params`
@@ -88,7 +92,8 @@ class PrefixPass:
         reason = whole_reason(tokens, packed_seq_params, self.vocab)
         if reason is not None:
             return self.packed_whole(reason, packed_seq_params)
-        plan = plan_shared_prefix(tokens, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to)
+        plan = plan_shared_prefix(tokens, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to,
+                                  repeated_padding_once=self.repeated_padding_once)
         physical, logical, checksum = plan.fingerprint()
         agree(self.group, "a micro-batch's shared-prefix plan", match={"physical rows": physical,
                                                                        "logical rows": logical,
@@ -108,7 +113,8 @@ class PrefixPass:
         if not agreed_min(self.group, int(reason is None)):
             return self.packed_whole(reason or "another context-parallel or tensor-parallel rank's share that is "
                                      "not its cut of the whole micro-batch", packed_seq_params)
-        plan = plan_shared_prefix(whole, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to)
+        plan = plan_shared_prefix(whole, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to,
+                                  repeated_padding_once=self.repeated_padding_once)
         physical, logical, checksum = plan.fingerprint()
         agree(self.group, "a micro-batch's shared-prefix plan", match={"physical rows": physical,
                                                                        "logical rows": logical,
@@ -209,11 +215,13 @@ def planned_pass(what: str, model: Any, cut_layout: str | None = None) -> Prefix
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     prepare_shared_prefix(model)
+    once = repeated_padding_alike(model)  # agreed over every rank: every stage lays the padding out alike
     vocab = next((int(cast(int, m.vocab_size)) for m in modules_of(model, "prefix_pass") if is_language_model(m)), None)
     tensor = parallel_state.get_tensor_model_parallel_world_size()
     context = parallel_state.get_context_parallel_world_size()
     if cut_layout is None or context == 1:
-        return PrefixPass(what, pad_to=tensor, group=parallel_state.get_tensor_model_parallel_group(), vocab=vocab)
+        return PrefixPass(what, pad_to=tensor, group=parallel_state.get_tensor_model_parallel_group(), vocab=vocab,
+                          repeated_padding_once=once)
     cut = ContextCut(context, parallel_state.get_context_parallel_rank(), check_logical_layout(cut_layout))
     return PrefixPass(what, pad_to=2 * context * tensor, group=parallel_state.get_tensor_and_context_parallel_group(),
-                      vocab=vocab, cut=cut)
+                      vocab=vocab, cut=cut, repeated_padding_once=once)
