@@ -278,13 +278,23 @@ def install_label_roll() -> None:
     """megatron-core's GPT module rolls the MTP labels and loss mask by the call's params (0.16: its
     `roll_tensor` in `_postprocess`; 0.19: `process_mtp_loss`, which also derives labels from the
     call's ids where none are given): a plan's params are read as the micro-batch's logical ones, its
-    ids as the packed ids (once per process; other calls unchanged)."""
+    ids as the packed ids (once per process; other calls unchanged: `planned_label_roll`)."""
     from megatron.core.models.gpt import gpt_model
 
     name = "process_mtp_loss" if hasattr(gpt_model, "process_mtp_loss") else "roll_tensor"
     original = getattr(gpt_model, name, None)
     if original is None or getattr(original, ROLL_MARK, False):
         return
+    setattr(gpt_model, name, planned_label_roll(original, name))
+
+
+def planned_label_roll(original: Any, name: str = "process_mtp_loss") -> Any:
+    """`original` (megatron-core's `process_mtp_loss`, or 0.16's `roll_tensor` as the GPT module calls it;
+    `name` says which) reading a plan's params as the micro-batch's logical ones and its ids as the packed
+    ids; a call without a plan as it is. A framework's own copy of the GPT module's MTP loss (verl's) wraps
+    the function it bound with it."""
+    if getattr(original, ROLL_MARK, False):
+        return original
 
     @functools.wraps(original)
     def logical(*args: Any, **kwargs: Any) -> Any:
@@ -304,7 +314,7 @@ def install_label_roll() -> None:
         return original(*args, **kwargs)
 
     setattr(logical, ROLL_MARK, True)
-    setattr(gpt_model, name, logical)
+    return logical
 
 
 def install_depth_roll() -> None:

@@ -373,7 +373,7 @@ def test_a_hand_written_loop_is_told_not_to_plan_and_a_framework_door_names_the_
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         assert prefix_pass("slime's training step", [model], training=True, enabled=True) is None
     assert "runs each sample packed whole: attention dropout in training (attention_dropout=0.1)" in caplog.text
-    assert "(MEGATRON_RL_PATCHES_SHARED_PREFIX=0 switches the plan off for this job" in caplog.text
+    assert "(MEGATRON_RL_PATCHES_SHARED_PREFIX=0 switches sharing off for this job" in caplog.text
 
 
 def test_the_docs_name_every_checked_field():
