@@ -64,6 +64,7 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
     taken,
 )
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, physical_readers, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.prepared import Prepared
 
 # not an argument: megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params;
 # the call's params (holding the plan) are set by the transformer layer's pre-hook for that one call and reset by
@@ -178,7 +179,7 @@ def _context_parallel_routing(cls: Any, router: Any, flat: torch.Tensor, plan: S
     return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
 
-class PlannedRouter:
+class PlannedRouter(Prepared):
     """The mark of a router whose class `planned_router_class` made."""
 
 

@@ -70,15 +70,6 @@ class LogicalShareRoll:
     group: Any
 
 
-def is_mtp_block(module: Any) -> bool:
-    """megatron-core's MTP block (its layers, each with an embedding roll)."""
-    return type(module).__name__ == "MultiTokenPredictionBlock"
-
-
-def is_mtp_layer(module: Any) -> bool:
-    return type(module).__name__ == "MultiTokenPredictionLayer"
-
-
 def logical_positions(plan: SharedPrefixPlan) -> torch.Tensor:
     """[T]: each logical row's position in its own sample; the padding counted from 0 as one sequence."""
     def build() -> torch.Tensor:

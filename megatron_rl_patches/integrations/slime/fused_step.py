@@ -30,6 +30,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     VocabRequest,
 )
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
+from megatron_rl_patches.integrations.slime.model_kinds import register_model_kinds
 from megatron_rl_patches.settings import shared_prefix
 
 
@@ -82,6 +83,7 @@ def slime_prefix_pass(args: Any, model: Any, what: str, training: bool) -> Prefi
     `get_batch` keeps every sample whole beside each context-parallel rank's cut (zigzag, or a contiguous
     slice with --allgather-cp), so its passes plan at context parallelism too (`whole_micro_batch`)."""
     layout = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
+    register_model_kinds()  # slime's own layers, before the plan reads the model
     return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=layout)
 
 

@@ -1,5 +1,8 @@
 """slime's own gated-delta-net layers (Qwen3.5's and Qwen3-Next's `Attention(HuggingfaceAttention)`
-in slime_plugins/models/qwen3_5.py and qwen3_next.py) over a shared-prefix plan.
+in slime_plugins/models/qwen3_5.py and qwen3_next.py) over a shared-prefix plan: a model kind of
+slime's (`SlimeGatedDeltaNet`, its object registered by `model_kinds.register_model_kinds` at slime's
+shared-prefix door), recognized by its code (the layer's `hf_forward` slime's, its forward slime's
+`HuggingfaceAttention`'s; its linear attention and that one's short convolution by their forward).
 
 slime's layer hands `packed_seq_params.cu_seqlens_q` to its `linear_attn`, which passes it, as it
 is, to exactly two calls: the short convolution (`self.conv1d(x=..., cu_seqlens=...)`, flash-linear-
@@ -15,7 +18,7 @@ as slime wrote it; sequence parallelism gathers and scatters in slime's own forw
 The recurrence is the layer's own kernel, called per segment with `initial_state` and
 `output_final_state` (flash-linear-attention's chunked kernel on CUDA; on CPU a torch stand-in
 with the same calling convention, the lane's). FlashQLA's kernel (its initial-state gradient
-unchecked) is refused by name (`refusals`).
+unchecked) is refused by name (the kind's `reason`).
 
 Under context parallelism slime's own forward gathers each sequence's zigzag rows of cu_seqlens,
 which a plan's stream does not have; the planned layer's forward instead gathers every rank's share
@@ -42,17 +45,22 @@ from megatron_rl_patches.shared_prefix.gated_delta_net import (
     segment_convolution,
     segment_recurrence,
 )
+from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, loaded_class, owner
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.prepared import Prepared, own_class
 
-# slime's layer classes (qualified names), each with the class of its `linear_attn`
-LAYERS = {"slime_plugins.models.qwen3_5.Attention": "slime_plugins.models.qwen3_5.Qwen3_5GatedDeltaNet",
-          "slime_plugins.models.qwen3_next.Attention": "slime_plugins.models.qwen3_next.Qwen3NextGatedDeltaNet"}
+LAYERS = ("slime_plugins.models.qwen3_5:Attention", "slime_plugins.models.qwen3_next:Attention")  # own hf_forward
+HF_ATTENTION = "slime_plugins.models.hf_attention:HuggingfaceAttention"  # the layers' forward
 BACKENDS = ("fla",)  # the layer's `gdn_backend`s whose kernel takes a differentiable initial state
 
 
 def is_slime_gated_delta_net(module: Any) -> bool:
-    """slime's Qwen3.5 / Qwen3-Next gated-delta-net layer (or a subclass), found without importing slime."""
-    return any(qualified_name(cls) in LAYERS for cls in type(module).__mro__)
+    """slime's Qwen3.5 / Qwen3-Next gated-delta-net layer, by its code: slime's `hf_forward` under slime's
+    `HuggingfaceAttention.forward` (found among the loaded modules: nothing of slime is imported)."""
+    own = own_class(type(module))
+    layers = [loaded_class(path) for path in LAYERS]
+    return owner(own, "hf_forward") in [c for c in layers if c is not None] and \
+        owner(own, "forward") is loaded_class(HF_ATTENTION) is not None
 
 
 def slime_gated_delta_net_reason(module: Any, path: str) -> str | None:
@@ -102,7 +110,7 @@ class PlannedRule:
         return out, None
 
 
-class PlannedShortConvolution:
+class PlannedShortConvolution(Prepared):
     """The mark of a short convolution whose class `planned_convolution_class` made."""
 
 
@@ -196,3 +204,22 @@ def prepare_slime_gated_delta_net(module: Any) -> None:
         linear.conv1d.__class__ = planned_convolution_class(linear.conv1d.__class__)
     if not isinstance(linear.chunk_gated_delta_rule, PlannedRule):
         linear.chunk_gated_delta_rule = PlannedRule(linear.chunk_gated_delta_rule)
+
+
+class SlimeGatedDeltaNet(ByCode):
+    """slime's layer (prepared: `prepare_slime_gated_delta_net`; refused on a kernel whose initial state
+    has no checked gradient) and, by their forward, its linear attention and short convolution, which
+    run under the prepared layer."""
+
+    def recognizes(self, module: Any) -> bool:
+        return is_slime_gated_delta_net(module) or super().recognizes(module)
+
+    def reason(self, module: Any, path: str) -> str | None:
+        return slime_gated_delta_net_reason(module, path) if is_slime_gated_delta_net(module) else None
+
+    def prepare(self, module: Any) -> bool:
+        if not is_slime_gated_delta_net(module):
+            return False
+        prepare_slime_gated_delta_net(module)
+        return True
+
