@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl_patches.shared_prefix.kinds.fields import UNTESTED, Known, checked, per_token, rows, zero
-from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, loaded_class, owner
+from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation, loaded_class, owner
 from megatron_rl_patches.shared_prefix.prepared import own_class
 from megatron_rl_patches.shared_prefix.sparse_attention import module_reason, prepare_sparse_attention
 
@@ -38,7 +38,8 @@ class SparseAttention(ByCode):
         return True
 
 
-SPARSE_ATTENTION = SparseAttention("DSA sparse attention", classes=(CORE, INDEXER), fields=rows({
+SPARSE_ATTENTION = SparseAttention("DSA sparse attention", classes=(CORE, INDEXER), continuation=Continuation(
+    held_reason="DSA sparse attention: its indexer's keys are not held yet"), fields=rows({
     "dsa_indexer_loss_coeff": checked(
         "None or 0 in training; any in forward-only passes",
         lambda value, s, training: not training or zero(value) or s.get("experimental_attention_variant") != "dsa",

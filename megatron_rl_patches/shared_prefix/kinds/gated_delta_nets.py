@@ -16,7 +16,11 @@ from typing import Any
 from megatron_rl_patches.model.kinds import qualified_name
 from megatron_rl_patches.shared_prefix.gated_delta_net import prepare_gated_delta_net
 from megatron_rl_patches.shared_prefix.kinds.fields import per_token, rows
-from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, RefusedByName
+from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation, RefusedByName
+
+# what a shared segment hands a gated delta net's continuation: its convolution's last rows and its final state
+WINDOW, STATE = "gdn-window", "gdn-state"
+RECURRENT = Continuation(roles=(WINDOW, STATE), along_rows=True)
 
 
 class MegatronGatedDeltaNet(ByCode):
@@ -39,8 +43,8 @@ MEGATRON_GATED_DELTA_NET = MegatronGatedDeltaNet(
     fields=rows({}, {per_token("the widths of a gated delta net or of DSA's indexer, its top-k and its per-token "
                                "scoring (exact under the plan's rule; top-k ties broken by stream order, as in any "
                                "packing)"): """linear_attention_freq linear_conv_kernel_dim linear_key_head_dim
-        linear_value_head_dim linear_num_key_heads linear_num_value_heads"""}))
-PACKAGE_GATED_DELTA_NET = PackageGatedDeltaNet("the package's gated delta net", whole=True)
+        linear_value_head_dim linear_num_key_heads linear_num_value_heads"""}), continuation=RECURRENT)
+PACKAGE_GATED_DELTA_NET = PackageGatedDeltaNet("the package's gated delta net", whole=True, continuation=RECURRENT)
 UNSERVED_GATED_DELTA_NET = RefusedByName(
     "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final recurrent state)",
-    named="GatedDeltaNet")
+    named="GatedDeltaNet", continuation=Continuation(along_rows=True))

@@ -40,10 +40,11 @@ class ModelKind(Protocol):
       always refused: Mamba, a recurrent layer the plan does not serve): consulted only for a module
       no other kind recognizes.
 
-    One more member will come with the segments micro-batches hold (issue 120): what a shared
-    segment hands its continuation when the micro-batches hold it (the keys and values for attention
-    cores, the recurrent state and the convolution's tail for gated delta nets, the routing for MoE
-    statistics, ...). It is not part of the protocol yet."""
+    - `continuation`: what a shared segment hands the rows that continue it through a module of
+      this kind (`Continuation`): the held state a step keeps when its micro-batches share the
+      segment (the keys and values of a core attention, a gated delta net's recurrent state and
+      convolution tail, an MoE router's logits for the readers' statistics), whether a state is
+      carried along the rows (a recurrence), and why a step cannot hold it yet."""
 
     @property
     def name(self) -> str: ...
@@ -54,11 +55,27 @@ class ModelKind(Protocol):
     @property
     def fallback(self) -> bool: ...
 
+    @property
+    def continuation(self) -> Continuation: ...
+
     def recognizes(self, module: Any) -> bool: ...
 
     def reason(self, module: Any, path: str) -> str | None: ...
 
     def prepare(self, module: Any) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What a shared segment hands the rows that continue it through one module of a kind: the names
+    of the tensors a step holds for it (`roles`, each kept per held segment and module: `held.py`),
+    whether the module carries a state along the rows (`along_rows`: a recurrence, where row p reads
+    more than the keys of the rows before it), and `held_reason`: why a step cannot hold a segment
+    through it yet (None: it can)."""
+
+    roles: tuple[str, ...] = ()
+    along_rows: bool = False
+    held_reason: str | None = None
 
 
 def owner(cls: Any, method: str) -> Any:
@@ -107,6 +124,7 @@ class ByCode:
     whole: bool = False
     fields: Mapping[str, Known] = field(default_factory=dict)
     fallback: bool = False
+    continuation: Continuation = field(default_factory=Continuation)
 
     def knows(self, cls: Any) -> bool:
         """Whether `cls` (a method's owner) is a class of this kind."""

@@ -21,7 +21,7 @@ from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.model.chunks import iter_wrapped
 from megatron_rl_patches.model.kinds import is_language_model
 from megatron_rl_patches.shared_prefix.context_parallel import gathered_stream, module_share, taken
-from megatron_rl_patches.shared_prefix.kinds.kind import ByCode
+from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 
 FIRST_CALL = "_megatron_rl_patches_shared_prefix_first_call"  # the model's `FirstCall`, set by prepare_shared_prefix
@@ -138,4 +138,5 @@ class LanguageModels(ByCode):
         return True
 
 
-LANGUAGE_MODELS = LanguageModels("language model")
+OUTPUT = "output"  # what a shared segment hands the language model's continuation: its rows' decoder output
+LANGUAGE_MODELS = LanguageModels("language model", continuation=Continuation(roles=(OUTPUT,)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.shared_prefix.kinds.fields import checked, per_token, rows
-from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, loaded_class, owner
+from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation, loaded_class, owner
 from megatron_rl_patches.shared_prefix.mtp import prepare_mtp_block
 from megatron_rl_patches.shared_prefix.prepared import own_class
 
@@ -24,7 +24,7 @@ class MultiTokenPrediction(ByCode):
 
 MULTI_TOKEN_PREDICTION = MultiTokenPrediction("multi-token prediction", classes=(
     BLOCK, "megatron.core.transformer.multi_token_prediction:MultiTokenPredictionLayer",
-), fields=rows({
+), continuation=Continuation(held_reason="MTP: its depths' streams hold no segment yet"), fields=rows({
     "mtp_num_layers": checked(
         "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2, CP = 2 x TP = 2 + SP, CP = 2 x PP = 2)",
         lambda value, s, training: not value or int(value) <= 2,

@@ -19,10 +19,12 @@ from typing import Any
 from megatron_rl_patches.model.attention_layout import with_batch
 from megatron_rl_patches.shared_prefix.attention import shared_prefix_attention
 from megatron_rl_patches.shared_prefix.context_parallel import gathered_stream, module_share
-from megatron_rl_patches.shared_prefix.kinds.kind import ByCode
+from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation
 from megatron_rl_patches.shared_prefix.kinds.windows_sinks import attention_sink, layer_window
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 from megatron_rl_patches.shared_prefix.prepared import Prepared
+
+KEYS, VALUES = "key", "value"  # what a shared segment hands a core's continuation: its keys and values
 
 
 class SharedPrefixCore(Prepared):
@@ -69,4 +71,5 @@ class PlainCores(ByCode):
 
 PLAIN_CORES = PlainCores("plain attention core", whole=True, classes=(
     "megatron.core.transformer.dot_product_attention:DotProductAttention",
-    "megatron.core.extensions.transformer_engine:TEDotProductAttention"))
+    "megatron.core.extensions.transformer_engine:TEDotProductAttention"),
+    continuation=Continuation(roles=(KEYS, VALUES)))  # at their own positions, grouped heads kept grouped
