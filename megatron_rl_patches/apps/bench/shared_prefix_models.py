@@ -39,8 +39,6 @@ from megatron_rl_patches.apps.bench.shared_prefix import (
     one_pass,
 )
 from megatron_rl_patches.apps.bench.shared_prefix_rows import timed_row
-from megatron_rl_patches.shared_prefix.kinds.kind import known_as
-from megatron_rl_patches.shared_prefix.kinds.plain_cores import PLAIN_CORES
 
 MODELS = ("hybrid", "deepseek", "cp2")
 SHAPES = (*MODELS, "models")  # `models`: the three in one table
@@ -142,6 +140,8 @@ def per_sample_attention_class() -> type:
     costs no dense [T, T] mask."""
     import torch
 
+    from megatron_rl_patches.shared_prefix.kinds.kind import known_as
+    from megatron_rl_patches.shared_prefix.kinds.plain_cores import PLAIN_CORES
     from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
     @known_as(PLAIN_CORES)  # each sample's plain causal attention: a plan runs it as its plain core
