@@ -1,6 +1,6 @@
 """megatron-core's `GatedDeltaNet` (Qwen3.5's and Qwen3-Next's linear attention) over a shared-prefix
 plan, in training: the module's class becomes a subclass whose forward takes a plan's route and
-calls its own class otherwise (as core attention's does, model_hooks.shared_prefix_core_class).
+calls its own class otherwise (as a plain core attention's does, kinds.plain_cores.shared_prefix_core_class).
 
 A gated delta net carries what a sequence has seen in two places: the recurrent state [heads, dk,
 dv] and the short convolution's window (the last kernel - 1 rows of q, k, v before it). The plan's
@@ -28,8 +28,11 @@ import torch.nn.functional as F
 
 from megatron_rl_patches.shared_prefix.held import held_rows_of, held_state, keep_state
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.prepared import Prepared
 
-MODULE = "megatron.core.ssm.gated_delta_net"  # where megatron-core defines GatedDeltaNet (0.16: ssm/)
+# what a shared segment hands the rows that continue it: its convolution's window (the last kernel - 1
+# inputs) and its recurrence's final state
+WINDOW, STATE = "gdn-window", "gdn-state"
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,7 @@ def checked_segments(segments: tuple[Segment, ...], rows: int) -> tuple[Segment,
     return segments
 
 
-def is_gated_delta_net(module: Any) -> bool:
-    """megatron-core's GatedDeltaNet (or a subclass), found without importing it."""
-    return any(cls.__name__ == "GatedDeltaNet" and cls.__module__ == MODULE for cls in type(module).__mro__)
-
-
-class PlannedGatedDeltaNet:
+class PlannedGatedDeltaNet(Prepared):
     """The mark of a GatedDeltaNet whose class `planned_gated_delta_net_class` made."""
 
 
@@ -200,12 +198,12 @@ def segment_convolution(conv: torch.nn.Conv1d, qkv: torch.Tensor, segments: tupl
     windows: list[torch.Tensor] = []
     pieces: dict[int, torch.Tensor] = {}
     for segment in segments:
-        before = held.state(segment, "gdn-window")
+        before = held.state(segment, WINDOW)
         if before is None:
             before = lines.new_zeros(lines.shape[0], keep) if segment.parent is None else windows[segment.parent]
         context = torch.cat([before.to(lines.dtype), lines[:, segment.start:segment.end]], dim=1)
         windows.append(context[:, context.shape[1] - keep:])
-        held.keep(segment, "gdn-window", windows[-1])
+        held.keep(segment, WINDOW, windows[-1])
         if segment.end > segment.start:  # output j sees context[j : j + kernel]
             pieces[segment.start] = F.conv1d(context[None], conv.weight, conv.bias, groups=lines.shape[0])[0]
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=1).t()
@@ -228,7 +226,7 @@ def segment_recurrence(rule: Any, query: torch.Tensor, key: torch.Tensor, value:
     states: list[Any] = []
     pieces: dict[int, torch.Tensor] = {}
     for index, segment in enumerate(segments):
-        initial = held.state(segment, "gdn-state")
+        initial = held.state(segment, STATE)
         if initial is None:
             initial = None if segment.parent is None else states[segment.parent]
         rows = slice(segment.start, segment.end)
@@ -239,6 +237,6 @@ def segment_recurrence(rule: Any, query: torch.Tensor, key: torch.Tensor, value:
                           initial_state=initial, output_final_state=index in parents or segment.keep is not None,
                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         states.append(final)
-        held.keep(segment, "gdn-state", final)
+        held.keep(segment, STATE, final)
         pieces[segment.start] = out
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=1)

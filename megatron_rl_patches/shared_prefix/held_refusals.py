@@ -1,15 +1,18 @@
 """What a step's held segments cannot run yet, decided before a pass begins and agreed over the ranks:
 beyond what a plan itself refuses (`refusals`), a model holding segments across micro-batches needs
 its whole layer stack in one call (no pipeline stages), its every pass's arithmetic drawn alike (no
-dropout), and each of its kinds able to hand a segment's state on (MTP's depths and DSA's indexer
-do not yet). A refused model plans each micro-batch on its own (`plan_shared_prefix`), as today."""
+dropout), and each of its kinds able to hand a segment's state on (each kind says so in its
+`Continuation`: MTP's depths and DSA's indexer do not yet). A refused model plans each
+micro-batch on its own (`plan_shared_prefix`), as today."""
 from __future__ import annotations
 
 from typing import Any, cast
 
 from megatron_rl_patches.model.chunks import as_chunks
-from megatron_rl_patches.model.kinds import is_language_model
+from megatron_rl_patches.model.kinds import is_language_model, qualified_name
 from megatron_rl_patches.ops.agreement import gathered_objects, world
+from megatron_rl_patches.shared_prefix.kinds import model_kinds
+from megatron_rl_patches.shared_prefix.prepared import own_class
 
 REMEDY = "plan each micro-batch on its own (plan_shared_prefix)"
 
@@ -22,12 +25,6 @@ def config_held_reasons(config: Any, training: bool) -> list[str]:
         reasons.append(f"pipeline parallelism (pipeline_model_parallel_size={stages}): a held segment's backward runs "
                        "in its last reader's backward, once its layers' gradients are in, which a pipeline schedule "
                        "spreads over stages and interleaves with other micro-batches' forwards")
-    depths = getattr(config, "mtp_num_layers", None)
-    if depths:
-        reasons.append(f"MTP (mtp_num_layers={depths}): its depths' streams hold no segment yet")
-    if getattr(config, "experimental_attention_variant", None) == "dsa":
-        reasons.append("DSA sparse attention (experimental_attention_variant='dsa'): its indexer's keys are not "
-                       "held yet")
     if training:
         for name in ("attention_dropout", "hidden_dropout"):
             rate = float(getattr(config, name, 0.0) or 0.0)
@@ -42,13 +39,21 @@ def config_held_reasons(config: Any, training: bool) -> list[str]:
 
 
 def local_held_reasons(model: Any, training: bool) -> list[str]:
-    """Why this rank's chunks of `model` cannot hold segments across micro-batches."""
+    """Why this rank's chunks of `model` cannot hold segments across micro-batches: its config's, and
+    each kind's that recognizes one of its modules and cannot hand a segment's state on
+    (`Continuation.held_reason`)."""
     reasons: list[str] = []
+    named: dict[str, str] = {}  # a kind's reason, with the first module it recognizes
+    kinds = [kind for kind in model_kinds() if kind.continuation.held_reason]
     for chunk in as_chunks(model):
         for module in chunk.modules():
             if is_language_model(module):
                 reasons += config_held_reasons(module.config, training)
-    return list(dict.fromkeys(reasons))
+            for kind in kinds:
+                reason = str(kind.continuation.held_reason)
+                if reason not in named and kind.recognizes(module):
+                    named[reason] = f"{reason} ({qualified_name(own_class(type(module)))})"
+    return list(dict.fromkeys(reasons)) + list(named.values())
 
 
 def shared_prefix_step_reason(model: Any, *, training: bool, group: Any = None) -> str | None:

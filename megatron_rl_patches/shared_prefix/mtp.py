@@ -71,15 +71,6 @@ class LogicalShareRoll:
     group: Any
 
 
-def is_mtp_block(module: Any) -> bool:
-    """megatron-core's MTP block (its layers, each with an embedding roll)."""
-    return type(module).__name__ == "MultiTokenPredictionBlock"
-
-
-def is_mtp_layer(module: Any) -> bool:
-    return type(module).__name__ == "MultiTokenPredictionLayer"
-
-
 def logical_positions(plan: SharedPrefixPlan) -> torch.Tensor:
     """[T]: each logical row's position in its own sequence (a sample's, a padding sequence's), as the
     packed path numbers it (`logical_bounds`)."""

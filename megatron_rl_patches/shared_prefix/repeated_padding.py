@@ -8,8 +8,9 @@ multi-latent and DSA attention alike), and every other layer acts on each row al
 row 0 at every layer, and every statistic reading the rows (the MoE router's, the MTP loss) counts
 them alike. That fails where a row reads its own position (learned absolute position embeddings),
 where the weights need not sum to one (an attention sink: `softmax_type` off-by-one or learnable),
-and where a layer carries a state along the rows (megatron-core's, slime's and the package's gated
-delta nets; Mamba). A kind a plan does not know is refused by `refusals` before any of this."""
+and where a layer carries a state along the rows (a kind whose continuation says so: megatron-core's,
+a framework's and the package's gated delta nets; Mamba). A kind a plan does not know is refused by
+`refusals` before any of this."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,11 +18,7 @@ from typing import Any
 from megatron_rl_patches.model.chunks import modules_of
 from megatron_rl_patches.model.kinds import is_language_model
 from megatron_rl_patches.ops.agreement import agreed_min, world
-from megatron_rl_patches.shared_prefix.slime_gated_delta_net import is_slime_gated_delta_net
-
-# layers that carry a state along the rows, known by their class names as the refusals know them: megatron-core's
-# gated delta nets (0.16's and 0.19's), slime's (inside its layer), the package's inference layer; Mamba's mixer
-RECURRENT = ("GatedDeltaNet", "MambaMixer")
+from megatron_rl_patches.shared_prefix.kinds import model_kinds
 
 
 def repeated_padding_alike(model: Any, group: Any = None) -> bool:
@@ -38,7 +35,12 @@ def _alike_here(model: Any) -> bool:
             return False
         if getattr(getattr(module, "config", None), "softmax_type", None) not in (None, "vanilla"):
             return False
-        if is_slime_gated_delta_net(module) or any(kind in cls.__name__ for cls in type(module).__mro__
-                                                   for kind in RECURRENT):
+        if carries_state(module):
             return False
     return True
+
+
+def carries_state(module: Any) -> bool:
+    """Whether a kind that recognizes `module` carries a state along the rows (a recurrence: megatron-core's,
+    the package's and a framework's registered gated delta nets, Mamba)."""
+    return any(kind.continuation.along_rows for kind in model_kinds() if kind.recognizes(module))

@@ -285,7 +285,6 @@ def test_multi_latent_attention_reads_a_held_segments_keys_at_their_own_position
 
 @pytest.mark.parametrize(("field", "value", "words", "training"), [
     ("pipeline_model_parallel_size", 2, "pipeline parallelism (pipeline_model_parallel_size=2)", False),
-    ("mtp_num_layers", 1, "MTP (mtp_num_layers=1)", False),
     ("attention_dropout", 0.1, "dropout in training (attention_dropout=0.1)", True),
     ("hidden_dropout", 0.1, "dropout in training (hidden_dropout=0.1)", True),
 ])
@@ -301,3 +300,17 @@ def test_what_held_segments_cannot_run_is_refused_by_name_before_the_pass(megatr
     with pytest.raises(ValueError, match=r"segments held across a step's micro-batches cannot run this model: "
                                          + words.replace("(", r"\(").replace(")", r"\)")):
         check_shared_prefix_step(model, training=training)
+
+
+def test_a_kind_that_cannot_hand_a_segment_on_refuses_a_step_by_its_own_words(megatron_cpu):
+    """An MTP model: the multi-token-prediction kind's `Continuation.held_reason`, named with the
+    module's class, on every rank (one rank here), before the pass; a dense model of the same config
+    without its depths holds segments."""
+    from megatron_rl_patches.shared_prefix import check_shared_prefix_step, prepare_shared_prefix
+    from megatron_rl_patches.testing.mtp_gpt import build_tiny_mtp_gpt, tiny_mtp_config
+
+    model = prepare_shared_prefix(build_tiny_mtp_gpt(tiny_mtp_config(mtp_num_layers=1)))
+    with pytest.raises(ValueError, match=r"cannot run this model: MTP: its depths' streams hold no segment yet "
+                                         r"\(megatron\.core\.transformer\.multi_token_prediction\."
+                                         r"MultiTokenPredictionBlock\)"):
+        check_shared_prefix_step(model, training=False)

@@ -118,13 +118,18 @@ def test_the_plan_never_outlives_the_layer_call(megatron_cpu, moe_router_on_cpu)
 
     batch = constant_padding(((30, (5, 3)),), (), padding=0)
     model = _model(**STATISTICS["z-loss"])
+    routers = [layer.mlp.router for layer in model.decoder.layers]
+    seen = []
+    model.decoder.layers[0].mlp.register_forward_pre_hook(  # the router holds the call's plan while it runs
+        lambda module, args: seen.append(moe_statistics.layer_params(module.router)))
     statistics_pass(model, batch, planned)
-    assert moe_statistics.LAYER_PARAMS.get() is None
+    assert seen and all(moe_statistics.shared_prefix_plan_of(params) is not None for params in seen)
+    assert all(moe_statistics.layer_params(router) is None for router in routers)
     layer = model.decoder.layers[0]
-    layer.mlp.router.gating = None  # the call raises inside the layer: the context is cleared all the same
+    layer.mlp.router.gating = None  # the call raises inside the layer: the router's plan is taken back all the same
     with pytest.raises(TypeError):
         planned(model, batch)
-    assert moe_statistics.LAYER_PARAMS.get() is None
+    assert all(moe_statistics.layer_params(router) is None for router in routers)
 
 
 def test_a_module_recomputed_alone_is_refused_by_name(megatron_cpu, moe_router_on_cpu):

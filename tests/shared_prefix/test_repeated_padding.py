@@ -10,9 +10,10 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
+# layers the kinds know carry a state along the rows, by their class names (the fallback kinds' way: a stand-in of
+# that name is known so); slime's own layers by their code, through slime's registered kind (below)
 RECURRENT = ["megatron.core.ssm.gated_delta_net.GatedDeltaNet",  # megatron-core 0.16's
              "megatron.core.ssm.gated_delta_net.gdn.GatedDeltaNet",  # and later ones'
-             "slime_plugins.models.qwen3_5.Attention", "slime_plugins.models.qwen3_next.Attention",
              "slime_plugins.models.qwen3_next.Qwen3NextGatedDeltaNet",
              "megatron_rl_patches.inference.gated_delta_net.GatedDeltaNetLayer",
              "megatron.core.ssm.mamba_mixer.MambaMixer"]
@@ -47,4 +48,27 @@ def test_a_layer_carrying_a_state_along_the_rows_makes_them_differ(megatron_cpu,
     layer = type(qualname, (torch.nn.Module,), {"__module__": module, "__qualname__": qualname})
     model = _model()
     model.decoder.layers[0].add_module("mixer", layer())
+    assert not repeated_padding_alike(model)
+
+
+def test_a_registered_kind_carrying_a_state_makes_the_rows_differ(megatron_cpu, monkeypatch):
+    """A framework's own recurrent layer (slime's gated delta net: its kind says its continuation is carried
+    along the rows) is known through the kind its integration registers."""
+    from megatron_rl_patches.integrations.slime.model_kinds import SLIME_GATED_DELTA_NET
+    from megatron_rl_patches.shared_prefix import kinds, repeated_padding_alike
+    from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation, known_as
+
+    assert SLIME_GATED_DELTA_NET.continuation.along_rows
+    recurrent = ByCode("a framework's recurrent layer", continuation=Continuation(along_rows=True))
+
+    @known_as(recurrent)
+    class Layer(torch.nn.Module):
+        def forward(self, hidden_states, packed_seq_params=None):
+            return hidden_states
+
+    monkeypatch.setattr(kinds, "_REGISTERED", [])
+    model = _model()
+    model.decoder.layers[0].add_module("mixer", Layer())
+    assert repeated_padding_alike(model)  # not registered: its kind unknown here (the refusals name it)
+    kinds.register(recurrent)
     assert not repeated_padding_alike(model)

@@ -32,6 +32,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
+from megatron_rl_patches.integrations.slime.model_kinds import register_model_kinds
 from megatron_rl_patches.settings import shared_prefix
 
 
@@ -88,6 +89,7 @@ def slime_prefix_pass(args: Any, model: Any, what: str, training: bool) -> Prefi
     cut = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
     layout = Layout(context_layout=cut, routing_replay=bool(getattr(args, "use_routing_replay", False)
                                                             or getattr(args, "use_rollout_routing_replay", False)))
+    register_model_kinds()  # slime's own layers, before the plan reads the model
     return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=cut,
                        framework=SLIME, layout=layout)
 
