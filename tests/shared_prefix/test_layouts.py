@@ -790,7 +790,7 @@ def test_gated_delta_nets_continue_each_prefix_over_tensor_parallel_ranks(world,
         assert checks["log_probs"] < TOL and checks["entropy"] < TOL and checks["grads"] < GRAD_TOL
 
 
-@layouts.mark("tp2-sp")
+@layouts.mark("tp2", "sp")
 def test_held_segments_under_sequence_parallelism_equal_the_packed_path(world):
     for rank in world:
         log_probs, grads, left = rank["held"]["tp2-sp"]
@@ -802,6 +802,7 @@ def test_held_segments_through_the_schedule_at_data_parallelism_reduce_the_packe
         assert rank["held"]["dp2"][0] < GRAD_TOL
 
 
+@layouts.mark("cp2-zigzag", "cp2-allgather")
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_held_segments_at_context_parallelism_equal_the_packed_path(world, layout):
     if not world[0]["held"][f"cp2-{layout}"]:
@@ -811,6 +812,7 @@ def test_held_segments_at_context_parallelism_equal_the_packed_path(world, layou
         assert log_probs < TOL and grads < GRAD_TOL and not left
 
 
+@layouts.mark("ep2", "moe")
 def test_held_segments_at_expert_parallelism_agree_their_passes_and_count_statistics(world):
     for rank in world:
         log_probs, grads, losses, counts, bias, side, owned = rank["held"]["ep2"]
