@@ -126,6 +126,12 @@ def held_rows_of(plan: Any) -> HeldRows | None:
     return held if isinstance(held, HeldRows) else None
 
 
+def exports_of(plan: Any) -> tuple:
+    """The segments a side or recompute plan of a step keeps for their readers (none for another plan)."""
+    held = held_rows_of(plan)
+    return () if held is None else tuple(held.exports)
+
+
 def computed(plan: Any, name: str, device: Any) -> torch.Tensor:
     """The plan's tensor `name` ("tokens", "positions") at the rows it computes, on `device` (kept)."""
     held = held_rows_of(plan)

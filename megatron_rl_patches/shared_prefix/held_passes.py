@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
-from megatron_rl_patches.shared_prefix.held import MAIN, DeferredSegments, held_rows_of
+from megatron_rl_patches.shared_prefix.held import MAIN, DeferredSegments, exports_of, held_rows_of
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 
 Run = Callable[[Any, Any, Any], Any]  # (language model, plan of segments, the main pass's params) -> its output
@@ -59,7 +59,7 @@ def begin_held_pass(model: Any, plan: Any, params: Any, run: Run) -> None:
     store.bind(model, torch.is_grad_enabled())
     store.runner = alone(run, model, params)
     for side in held.side:  # each unit once: a recompute of the layer stack reruns this call
-        if not all(store.holds(one.segment) for one in held_rows_of(side).exports):
+        if not all(store.holds(one.segment) for one in exports_of(side)):
             with torch.no_grad():
                 store.runner(side)
 
@@ -86,4 +86,4 @@ def end_held_pass(plan: Any) -> None:
     if held is None or held.mode != MAIN or held.store.training:
         return
     for owned in held.owned:
-        held.store.release(one.segment for one in held_rows_of(owned).exports)
+        held.store.release(one.segment for one in exports_of(owned))

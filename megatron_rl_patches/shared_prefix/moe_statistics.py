@@ -241,7 +241,8 @@ def planned_router_class(cls: Any) -> type:
         params = layer_params(self)
         plan = shared_prefix_plan_of(params)
         held = held_rows_of(plan)
-        if held is not None and not (held.mode == MAIN and self.training and counts_statistics(self)):
+        if plan is not None and held is not None and not (held.mode == MAIN and self.training
+                                                           and counts_statistics(self)):
             return _held_rows_routed_alone(cls, self, logits, plan, params)
         if plan is None or not self.training or not counts_statistics(self):
             return cls.routing(self, logits, *args, **kwargs)

@@ -324,16 +324,17 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
             plan = plan_of_layout(batches[index], tree_of_batch, pad_to, held_rows=held_length, at_least=rows_main)
         first = first + [set() for _ in range(len(side_rows) - len(first))]  # empty passes: as many as every rank
         last = last + [set() for _ in range(len(owned_rows) - len(last))]
-        rows = held_rows(store, MAIN, index, layout, read, set(), plan.physical_length)
-        rows.side = tuple(segment_plan(tree, ids, one, store, SIDE, index, pad_to, n)
+        holding = held_rows(store, MAIN, index, layout, read, set(), plan.physical_length)
+        holding.side = tuple(segment_plan(tree, ids, one, store, SIDE, index, pad_to, n)
                           for one, n in zip(first, side_rows))
-        rows.owned = tuple(segment_plan(tree, ids, one, store, RECOMPUTE, index, pad_to, n)
+        holding.owned = tuple(segment_plan(tree, ids, one, store, RECOMPUTE, index, pad_to, n)
                            for one, n in zip(last, owned_rows))
-        rows.last = index == len(batches) - 1
-        plan.held = rows
+        holding.last = index == len(batches) - 1
+        plan.held = holding
         plans.append(plan)
-        computed_tokens += plan.stats.physical_tokens - rows.held_rows + sum(p.stats.physical_tokens for p in rows.side)
-        recomputed += sum(p.stats.physical_tokens for p in rows.owned)
+        computed_tokens += (plan.stats.physical_tokens - holding.held_rows
+                            + sum(p.stats.physical_tokens for p in holding.side))
+        recomputed += sum(p.stats.physical_tokens for p in holding.owned)
     stats = StepStats(micro_batches=len(batches), logical_tokens=int(ids.numel()), computed_tokens=computed_tokens,
                       recomputed_tokens=recomputed, held_tokens=sum(int(tree.lengths[s]) for s in held))
     return SharedPrefixStep(plans=tuple(plans), store=store, stats=stats)

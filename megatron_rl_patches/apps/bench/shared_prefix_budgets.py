@@ -4,6 +4,7 @@ each sample packed whole, a group's prompt once per micro-batch (`shared_prefix_
 it), and once per step (`shared_prefix_micro_batches(held_cost=...)` and `plan_shared_prefix_step`:
 a segment the budget cuts held, a long sample in chunks). The samples' trie is the floor: every
 distinct leading-token sequence once."""
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ def trie_size(samples: list[list[int]]) -> int:
     """Distinct leading-token sequences of `samples` (each sample against the longest common prefix it
     shares with any other, in sorted order)."""
     ordered = sorted(samples)
-    total, before = 0, []
+    total, before = 0, list[int]()
     for sample in ordered:
         common = 0
         for a, b in zip(before, sample):
