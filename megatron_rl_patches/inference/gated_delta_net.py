@@ -38,6 +38,8 @@ from megatron_rl_patches.inference.gated_delta_rule import (
 )
 from megatron_rl_patches.ops.context_rows import check_layout, local_rows
 from megatron_rl_patches.shared_prefix.gated_delta_net import (
+    NO_HELD,
+    HeldStates,
     Segment,
     checked_segments,
     plan_segments,
@@ -127,7 +129,8 @@ class GatedDeltaNetLayer(torch.nn.Module):
             if mixed.shape[0] != 1:
                 raise ValueError(f"shared prefix: a plan's stream is one batch row, the gated delta net got "
                                  f"{mixed.shape[0]}")
-            out = self._mix(mixed, segments=checked_segments(plan_segments(plan), mixed.shape[1]))
+            out = self._mix(mixed, segments=checked_segments(plan_segments(plan), mixed.shape[1]),
+                            held=HeldStates(plan, self))
         elif self.cp_size == 1:
             out = self._mix_sequences(mixed, packed_seq_params, 0, 1)
         else:
@@ -178,7 +181,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
                          dim=-1)
 
     def _mix(self, mixed: torch.Tensor, part: int = 0, parts: int = 1,
-             segments: tuple[Segment, ...] | None = None) -> torch.Tensor:
+             segments: tuple[Segment, ...] | None = None, held: HeldStates = NO_HELD) -> torch.Tensor:
         """One sequence (or a batch of unpacked ones) [b, s, width] of heads part/parts -> the gated,
         normed values [b, s, v] of those heads; `segments`: a plan's stream [1, s, width] of every
         head, each segment continuing its parent."""
@@ -193,7 +196,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
         if segments is None:
             qkv = F.silu(causal_depthwise_conv(qkv.to(weight.dtype), weight)).transpose(1, 2)
         else:
-            qkv = F.silu(segment_convolution(self.conv1d, qkv[0].t().to(weight.dtype), segments))[None]
+            qkv = F.silu(segment_convolution(self.conv1d, qkv[0].t().to(weight.dtype), segments, held))[None]
         q, k, v = torch.split(qkv.to(mixed.dtype), widths[:3], dim=-1)
         q, k = (x.reshape(b, s, key_heads, self.key_head_dim) for x in (q, k))
         v = v.reshape(b, s, value_heads, self.value_head_dim)
@@ -207,13 +210,13 @@ class GatedDeltaNetLayer(torch.nn.Module):
             if segments is None:
                 core, _ = fla(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
             else:
-                core = segment_recurrence(fla, q, k, v, g, beta, segments, use_qk_l2norm_in_kernel=True)
+                core = segment_recurrence(fla, q, k, v, g, beta, segments, use_qk_l2norm_in_kernel=True, held=held)
         else:
             q, k = (l2_normalized(x.float()).repeat_interleave(repeat, dim=2) for x in (q, k))
             if segments is None:
                 core = gated_delta_rule(q, k, v, g, beta).to(v.dtype)
             else:
-                core = segment_recurrence(chunk_gated_delta_rule, q, k, v, g, beta, segments).to(v.dtype)
+                core = segment_recurrence(chunk_gated_delta_rule, q, k, v, g, beta, segments, held=held).to(v.dtype)
         gated = self.out_norm(core, z.reshape(b, s, value_heads, self.value_head_dim))
         return gated.reshape(b, s, -1)
 

@@ -28,6 +28,8 @@ _LAZY = lazy_names("""
     megatron_rl_patches.shared_prefix.attention: shared_prefix_attention
     megatron_rl_patches.shared_prefix.micro_batches: shared_prefix_micro_batches
     megatron_rl_patches.shared_prefix.repeated_padding: repeated_padding_alike
+    megatron_rl_patches.shared_prefix.step: plan_shared_prefix_step SharedPrefixStep StepStats
+    megatron_rl_patches.shared_prefix.held_refusals: check_shared_prefix_step shared_prefix_step_reason
 """)
 
 __all__ = sorted(_LAZY)

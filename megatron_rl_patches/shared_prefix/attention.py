@@ -52,18 +52,23 @@ def chosen_route(route: str, query: torch.Tensor) -> str:
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan, *,
                             scale: float, dropout: float = 0.0, route: str = "auto", window: int | None = None,
-                            sink: torch.Tensor | None = None, share: tuple[int, int] | None = None) -> torch.Tensor:
+                            sink: torch.Tensor | None = None, share: tuple[int, int] | None = None,
+                            query_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the plan's physical stream (query [s, b, h, d], key / value [s, b, g, d]) ->
     [s, b, h * d] in the query's dtype; `dropout` on the attention probabilities (0 in evaluation);
     `window`: a sliding window of that many earlier positions (each token's own) besides its own;
     `sink` [h]: a logit per head added to every row's softmax with no value (megatron-core's
     `softmax_offset`: zeros for off-by-one, a parameter for a learnable sink, which gets its gradient);
     `share` (context-parallel size, rank): the query holds that rank's rows of the stream
-    (`context_parallel.physical_share`), key / value the whole stream."""
+    (`context_parallel.physical_share`), key / value the whole stream; `query_rows` (ascending rows of
+    the stream): the query holds those rows (a step's held segments hold the others), key / value the
+    whole stream."""
     query, key, value = with_batch(query, key, value)  # megatron-core < 0.16 squeezes a packed batch
     rows, batch, heads = query.shape[:3]
     width = value.size(-1)  # multi-latent attention's values have a width of their own
-    held = None if share is None else physical_share(plan, *share)
+    if share is not None and query_rows is not None:
+        raise ValueError("shared-prefix attention: pass share or query_rows, not both")
+    held = query_rows if share is None else physical_share(plan, *share)
     if (rows if held is None else key.size(0)) != plan.physical_length or (held is not None and rows != held.numel()):
         raise ValueError(f"shared-prefix attention: the query has {rows} rows and the keys {key.size(0)}, the plan's "
                          f"stream {plan.physical_length}" + ("" if held is None else f" ({held.numel()} of them this "
@@ -84,16 +89,17 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     route = "mask" if route == "auto" and sink is not None else chosen_route(route, query)
     if route == "flex":
         q, k, v = heads_first(query, key, value)
-        return sequence_first(_flex(q, k, v, plan, scale, window, share))
+        return sequence_first(_flex(q, k, v, plan, scale, window, share, query_rows))
     if not rows:
         return query.new_zeros(0, batch, heads * width)
     if query.device.type == "cpu" and dropout == 0.0:
-        blocks = plan.cached(("pieces", window, share), lambda: rule_pieces(plan, window) if held is None
+        blocks = plan.cached(("pieces", window, share, query_rows is not None),
+                             lambda: rule_pieces(plan, window) if held is None
                              else pieces_of_rows(rule_pieces(plan, window), held))
         offset = sink if sink is not None else query.new_zeros(0)
         return _widths_matched(query, key, value, offset, blocks, scale).reshape(rows, batch, heads * width)
-    if share is not None:
-        return share_masked_attention(query, key, value, plan, share, scale, dropout, window, sink).reshape(
+    if held is not None:
+        return share_masked_attention(query, key, value, plan, held, scale, dropout, window, sink).reshape(
             rows, batch, heads * width)
     return rule_masked_attention(query, key, value, plan, scale, dropout, window, sink).reshape(rows, batch,
                                                                                              heads * width)
@@ -148,20 +154,23 @@ def rule_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def share_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SharedPrefixPlan,
-                           share: tuple[int, int], scale: float, dropout: float, window: int | None = None,
-                           sink: torch.Tensor | None = None) -> torch.Tensor:
-    """A context-parallel rank's query rows against the whole stream through scaled dot-product
-    attention under the rule's mask (a sink as in `rule_masked_attention`): [s_local, b, h, d]."""
+                           share: tuple[int, int] | torch.Tensor, scale: float, dropout: float,
+                           window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """A context-parallel rank's query rows (`share`: (size, rank)), or the rows a step computes
+    (`share`: those rows), against the whole stream through scaled dot-product attention under the
+    rule's mask (a sink as in `rule_masked_attention`): [s_local, b, h, d]."""
+    held = share if isinstance(share, torch.Tensor) else physical_share(plan, *share)
     q, k, v = heads_first(query, key, value)
     k, v = kv_heads_repeated(k, q.size(1), WHO), kv_heads_repeated(v, q.size(1), WHO)
 
     def build() -> torch.Tensor:
-        rows = physical_share(plan, *share).to(q.device)
+        rows = held.to(q.device)
         columns = torch.arange(plan.physical_length, device=q.device)
         return sees(rows[:, None], columns[None, :], plan.on(q.device, "reach"), plan.on(q.device, "positions"),
                     window)
 
-    mask = plan.cached(("share-dense", share, window, str(q.device)), build)
+    mask = plan.cached(("share-dense", held.numel(), int(held[0]) if held.numel() else -1, window, str(q.device)),
+                       build)
     if sink is not None:
         logits = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
         column = sink.to(q.dtype).view(1, -1, 1, 1).expand(q.size(0), -1, mask.size(0), 1)
@@ -259,29 +268,31 @@ def compiled_flex() -> Any:
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float,
-          window: int | None = None, share: tuple[int, int] | None = None) -> torch.Tensor:
+          window: int | None = None, share: tuple[int, int] | None = None,
+          query_rows: torch.Tensor | None = None) -> torch.Tensor:
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import flex_attention
 
     attend = compiled_flex() if q.is_cuda else flex_attention  # on CPU torch runs it eagerly, without gradients
-    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device, window, share), scale=scale,
+    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device, window, share, query_rows), scale=scale,
                   enable_gqa=q.size(1) != k.size(1))
 
 
 def flex_block_mask(plan: SharedPrefixPlan, device: Any, window: int | None = None,
-                    share: tuple[int, int] | None = None) -> Any:
+                    share: tuple[int, int] | None = None, query_rows: torch.Tensor | None = None) -> Any:
     """FlexAttention's block mask of the plan on `device` (built once per plan and device); `share`:
-    a context-parallel rank's query rows against the whole stream."""
+    a context-parallel rank's query rows against the whole stream; `query_rows`: those rows."""
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import create_block_mask
 
     reach, positions = plan.on(device, "reach"), plan.on(device, "positions")
-    held = None if share is None else physical_share(plan, *share).to(device)
+    rows = physical_share(plan, *share) if share is not None else query_rows
+    held = None if rows is None else rows.to(device)
 
     def mask(batch: Any, head: Any, row: Any, column: Any) -> Any:
         return sees(row if held is None else held[row], column, reach, positions, window)
 
     length = plan.physical_length
     queries = length if held is None else int(held.numel())
-    return plan.cached(("flex", window, share, str(torch.device(device))),
+    return plan.cached(("flex", window, share, query_rows is not None, str(torch.device(device))),
                        lambda: create_block_mask(mask, None, None, queries, length, device=str(device)))

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_rl_patches.ops.agreement import agree
 from megatron_rl_patches.ops.context_rows import local_rows, sequence_rows
 from megatron_rl_patches.shared_prefix.attention_rule import Block
+from megatron_rl_patches.shared_prefix.held import held_rows_of
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 LOGICAL = ("zigzag", "contiguous")  # how a caller cut its logical ids (megatron-core / slime; --allgather-cp)
@@ -44,8 +45,9 @@ def check_logical_layout(layout: Any) -> str:
 @dataclass(frozen=True, eq=False)
 class Share:
     """One context-parallel rank's share of a plan: its `physical` rows (of the stream the model
-    runs), where each physical row lies in the ranks' shares gathered in rank order (`gathered`
-    [S]), and its `logical` rows (of the ids as packed, cut as the caller cut them: `layout`)."""
+    runs), where each row the model computes lies in the ranks' shares gathered in rank order
+    (`gathered` [S], or [the computed rows] under a step's held segments), and its `logical` rows (of
+    the ids as packed, cut as the caller cut them: `layout`)."""
 
     size: int
     rank: int
@@ -55,15 +57,25 @@ class Share:
     layout: str
 
 
+def computed_count(plan: SharedPrefixPlan) -> int:
+    """The rows the model computes for `plan` (all of its stream but a step's held segments)."""
+    held = held_rows_of(plan)
+    return plan.physical_length if held is None else int(held.computed.numel())
+
+
 def physical_share(plan: SharedPrefixPlan, size: int, rank: int) -> torch.Tensor:
-    """The physical rows rank `rank` of `size` runs: zigzag over the whole stream (cached per plan)."""
+    """The physical rows rank `rank` of `size` runs: zigzag over the rows the model computes (the whole
+    stream, or all of it but a step's held segments; cached per plan)."""
     def build() -> torch.Tensor:
-        if plan.physical_length % (2 * size):
-            raise ValueError(f"shared prefix: the plan's stream has {plan.physical_length} rows, which {size} "
+        rows = computed_count(plan)
+        if rows % (2 * size):
+            raise ValueError(f"shared prefix: the plan's stream has {rows} rows to compute, which {size} "
                              f"context-parallel ranks cannot cut into {2 * size} equal chunks; build the plan with "
                              f"pad_to a multiple of {2 * size} (times the tensor-parallel size under sequence "
                              "parallelism)")
-        return sequence_rows("zigzag", rank, size, plan.physical_length)
+        mine = sequence_rows("zigzag", rank, size, rows)
+        held = held_rows_of(plan)
+        return mine if held is None else held.computed.index_select(0, mine)
 
     return plan.cached(("cp-physical", size, rank), build)
 
@@ -73,13 +85,19 @@ def share_of(plan: SharedPrefixPlan, size: int, rank: int, layout: str) -> Share
     `layout` (cached per plan)."""
     def build() -> Share:
         physical = physical_share(plan, size, rank)
-        gathered = torch.empty(plan.physical_length, dtype=torch.int64)
-        gathered[torch.cat([physical_share(plan, size, r) for r in range(size)])] = torch.arange(plan.physical_length)
+        rows = computed_count(plan)
+        every = torch.cat([physical_share(plan, size, r) for r in range(size)])
+        held = held_rows_of(plan)
+        if held is not None:  # the rows in the order the model computes them (held rows left out)
+            every = held.order.index_select(0, every) - (plan.physical_length - rows)
+        gathered = torch.empty(rows, dtype=torch.int64)
+        gathered[every] = torch.arange(rows)
         bounds = plan.sequence_bounds
         if int(bounds[-1]) < plan.logical_length:  # rows past the last boundary: one more sequence
             bounds = torch.cat([bounds, torch.tensor([plan.logical_length])])
-        try:
-            logical = local_rows(layout, rank, size, cu_seqlens=bounds)
+        try:  # a step's side pass or recompute has no logical rows
+            logical = local_rows(layout, rank, size, cu_seqlens=bounds) if plan.logical_length \
+                else torch.empty(0, dtype=torch.int64)
         except ValueError as exc:
             raise ValueError(f"shared prefix: the micro-batch cannot be cut over {size} context-parallel ranks in "
                              f"the {layout} layout: {exc}") from None
@@ -114,8 +132,9 @@ class GatheredStream(torch.autograd.Function):
 
 
 def gathered_stream(local: torch.Tensor, plan: SharedPrefixPlan, share: Share, group: Any) -> torch.Tensor:
-    """This rank's physical rows (dim 0) -> the whole physical stream in order (autograd: each rank's
-    gradient reaches the rank that computed the rows)."""
+    """This rank's physical rows (dim 0) -> the rows every rank computes, in the stream's order
+    (the whole stream but a step's held segments; autograd: each rank's gradient reaches the rank
+    that computed the rows)."""
     whole = GatheredStream.apply(local, group)
     order = plan.cached(("cp-gathered", share.size, str(whole.device)), lambda: share.gathered.to(whole.device))
     return whole.index_select(0, order)

@@ -26,26 +26,52 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl_patches.shared_prefix.held import held_rows_of, held_state, keep_state
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 from megatron_rl_patches.shared_prefix.prepared import Prepared
+
+# what a shared segment hands the rows that continue it: its convolution's window (the last kernel - 1
+# inputs) and its recurrence's final state
+WINDOW, STATE = "gdn-window", "gdn-state"
 
 
 @dataclass(frozen=True)
 class Segment:
     """Physical rows [start, end) that continue `parent` (an earlier segment's index), or start
-    afresh (None)."""
+    afresh (None). Under a step's held segments (`held`): `held` the held step segment it continues
+    instead (its state and window from the step's store), `keep` the step segment whose state and
+    window this one hands on (kept for the step)."""
 
     start: int
     end: int
     parent: int | None = None
+    held: int | None = None
+    keep: int | None = None
 
 
 def plan_segments(plan: SharedPrefixPlan) -> tuple[Segment, ...]:
     """The plan's segments in its preorder (every parent before its children), each with its parent
-    segment (None under the root: a shared prefix's first segment, a sample alone, the padding)."""
+    segment (None under the root: a shared prefix's first segment, a sample alone, the padding); under
+    a step's held segments, the segments this pass computes, in the rows it computes them."""
     starts, ends, parents = plan.segment_starts.tolist(), plan.segment_ends.tolist(), plan.segment_parents.tolist()
-    return tuple(Segment(start, end, parent if parent >= 0 else None)
-                 for start, end, parent in zip(starts, ends, parents))
+    held = held_rows_of(plan)
+    if held is None:
+        return tuple(Segment(start, end, parent if parent >= 0 else None)
+                     for start, end, parent in zip(starts, ends, parents))
+    held_at = {one.start: one.segment for one in held.held}
+    kept_at = {one.start: one.segment for one in held.exports}
+    out: list[Segment] = []
+    placed: dict[int, int] = {}  # a computed segment's index in the plan -> in `out`
+    held_of: dict[int, int] = {}  # a held segment's index in the plan -> its step segment
+    row = 0
+    for index, (start, end, parent) in enumerate(zip(starts, ends, parents)):
+        if start in held_at and end > start:
+            held_of[index] = held_at[start]
+            continue
+        out.append(Segment(row, row + end - start, placed.get(parent), held_of.get(parent), kept_at.get(start)))
+        placed[index] = len(out) - 1
+        row += end - start
+    return tuple(out)
 
 
 def checked_segments(segments: tuple[Segment, ...], rows: int) -> tuple[Segment, ...]:
@@ -91,13 +117,14 @@ def planned_gated_delta_net_class(cls: Any) -> type:
         if inference_context is not None or inference_params is not None:
             raise ValueError("shared prefix: a gated delta net runs a plan in training and scoring, not with an "
                              "inference context")
-        return planned_forward(self, hidden_states, plan_segments(plan))
+        return planned_forward(self, hidden_states, plan_segments(plan), plan)
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedGatedDeltaNet),
                 {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
-def planned_forward(layer: Any, hidden_states: torch.Tensor, segments: tuple[Segment, ...]) -> tuple[Any, Any]:
+def planned_forward(layer: Any, hidden_states: torch.Tensor, segments: tuple[Segment, ...],
+                    plan: Any = None) -> tuple[Any, Any]:
     """GatedDeltaNet's forward ([s, 1, hidden] -> (out, bias)) over a physical stream of segments."""
     from megatron.core.ssm import gated_delta_net as upstream
 
@@ -111,7 +138,8 @@ def planned_forward(layer: Any, hidden_states: torch.Tensor, segments: tuple[Seg
     qkv, gate, beta, alpha = torch.split(
         projected[:, 0], [(2 * layer.qk_dim + layer.v_dim) // tp, layer.v_dim // tp, layer.num_value_heads // tp,
                           layer.num_value_heads // tp], dim=-1)
-    mixed = layer.act_fn(segment_convolution(layer.conv1d, qkv, segments))  # [rows, channels]
+    held = HeldStates(plan, layer)
+    mixed = layer.act_fn(segment_convolution(layer.conv1d, qkv, segments, held))  # [rows, channels]
     query, key, value = torch.split(mixed, [layer.qk_dim // tp, layer.qk_dim // tp, layer.v_dim // tp], dim=-1)
     query = query.reshape(1, rows, -1, layer.key_head_dim)
     key = key.reshape(1, rows, -1, layer.key_head_dim)
@@ -123,27 +151,59 @@ def planned_forward(layer: Any, hidden_states: torch.Tensor, segments: tuple[Seg
         query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
     g = -layer.A_log.exp() * F.softplus(alpha[None].float() + layer.dt_bias)  # in float32, as upstream
     rule = upstream.torch_chunk_gated_delta_rule if layer.config.deterministic_mode else upstream.chunk_gated_delta_rule
-    core = segment_recurrence(rule, query.contiguous(), key.contiguous(), value, g, beta[None].sigmoid(), segments)
+    core = segment_recurrence(rule, query.contiguous(), key.contiguous(), value, g, beta[None].sigmoid(), segments,
+                              held=held)
     gate = gate.reshape(1, rows, -1, layer.value_head_dim)
     normed = layer._apply_gated_norm(core, gate.contiguous())
     out, out_bias = layer.out_proj(normed.reshape(rows, 1, -1))
     return out, out_bias
 
 
-def segment_convolution(conv: torch.nn.Conv1d, qkv: torch.Tensor, segments: tuple[Segment, ...]) -> torch.Tensor:
+class HeldStates:
+    """A step's held states for one layer's segments (nothing without a step's plan): the window and
+    final state a held segment handed its continuation, and those a segment this pass computes hands on."""
+
+    def __init__(self, plan: Any, layer: Any) -> None:
+        self.plan = plan if held_rows_of(plan) is not None else None
+        self.layer = layer
+
+    def check(self, segments: tuple[Segment, ...]) -> None:
+        """A caller that reads no held states refused a step's segments (never started from zeros)."""
+        if self.plan is None and any(s.held is not None or s.keep is not None for s in segments):
+            raise ValueError("shared prefix: this gated delta net does not read a step's held segments; plan each "
+                             "micro-batch on its own (plan_shared_prefix)")
+
+    def state(self, segment: Segment, role: str) -> Any:
+        return None if self.plan is None or segment.held is None else held_state(self.plan, segment.held, role,
+                                                                                   self.layer)
+
+    def keep(self, segment: Segment, role: str, value: torch.Tensor) -> None:
+        if self.plan is not None and segment.keep is not None:
+            keep_state(self.plan, segment.keep, role, self.layer, value)
+
+
+NO_HELD = HeldStates(None, None)
+
+
+def segment_convolution(conv: torch.nn.Conv1d, qkv: torch.Tensor, segments: tuple[Segment, ...],
+                        held: HeldStates = NO_HELD) -> torch.Tensor:
     """The causal depthwise convolution of each segment [rows, channels] (before the activation),
     each seeing the kernel - 1 rows before it in its own line: its parent's window (and its
     parent's, for a parent shorter than the window), zeros where the line begins. `conv`: any
     depthwise Conv1d (its weight [channels, 1, kernel] and bias; megatron-core's, the package's,
     flash-linear-attention's ShortConvolution), whatever its own padding and forward."""
+    held.check(segments)
     keep = conv.kernel_size[0] - 1
     lines = qkv.t()  # [channels, rows]
     windows: list[torch.Tensor] = []
     pieces: dict[int, torch.Tensor] = {}
     for segment in segments:
-        before = lines.new_zeros(lines.shape[0], keep) if segment.parent is None else windows[segment.parent]
-        context = torch.cat([before, lines[:, segment.start:segment.end]], dim=1)
+        before = held.state(segment, WINDOW)
+        if before is None:
+            before = lines.new_zeros(lines.shape[0], keep) if segment.parent is None else windows[segment.parent]
+        context = torch.cat([before.to(lines.dtype), lines[:, segment.start:segment.end]], dim=1)
         windows.append(context[:, context.shape[1] - keep:])
+        held.keep(segment, WINDOW, windows[-1])
         if segment.end > segment.start:  # output j sees context[j : j + kernel]
             pieces[segment.start] = F.conv1d(context[None], conv.weight, conv.bias, groups=lines.shape[0])[0]
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=1).t()
@@ -151,7 +211,7 @@ def segment_convolution(conv: torch.nn.Conv1d, qkv: torch.Tensor, segments: tupl
 
 def segment_recurrence(rule: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, segments: tuple[Segment, ...],
-                       use_qk_l2norm_in_kernel: bool = False) -> torch.Tensor:
+                       use_qk_l2norm_in_kernel: bool = False, held: HeldStates = NO_HELD) -> torch.Tensor:
     """The gated delta rule over each segment ([1, rows, heads, d] in, [1, rows, heads, dv] out),
     each from its parent's final state (zeros without a parent). `rule`: flash-linear-attention's
     `chunk_gated_delta_rule` calling convention (initial_state, output_final_state; returns the
@@ -161,18 +221,22 @@ def segment_recurrence(rule: Any, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError("shared prefix: a gated delta net outside deterministic mode needs flash-linear-attention's "
                          "chunk_gated_delta_rule (not installed); set config.deterministic_mode=True for "
                          "megatron-core's torch path")
+    held.check(segments)
     parents = {segment.parent for segment in segments}
     states: list[Any] = []
     pieces: dict[int, torch.Tensor] = {}
     for index, segment in enumerate(segments):
-        initial = None if segment.parent is None else states[segment.parent]
+        initial = held.state(segment, STATE)
+        if initial is None:
+            initial = None if segment.parent is None else states[segment.parent]
         rows = slice(segment.start, segment.end)
         if segment.end == segment.start:
             states.append(initial)
             continue
         out, final = rule(query[:, rows], key[:, rows], value[:, rows], g=g[:, rows], beta=beta[:, rows],
-                          initial_state=initial, output_final_state=index in parents,
+                          initial_state=initial, output_final_state=index in parents or segment.keep is not None,
                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         states.append(final)
+        held.keep(segment, STATE, final)
         pieces[segment.start] = out
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=1)

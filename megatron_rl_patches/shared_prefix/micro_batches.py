@@ -1,12 +1,22 @@
 """Micro-batches counted in physical tokens: a group's prefix once, then each member's own tokens.
 
 A hand-written loop cuts its samples into micro-batches of at most `max_tokens` tokens as the model
-will compute them under shared-prefix plans. A group stays whole in one micro-batch unless it alone
-exceeds the budget; then it is cut into parts, each carrying the prefix again. Groups are placed
-first-fit, largest first (fewer micro-batches than placing them in order), and every micro-batch
-keeps its samples in their original order. The cost grows as n log n in the samples (the grouping's
-and the first fit's), whether they share one prompt or none; the cyclic garbage collector is paused
-throughout, as in the grouping (see grouping.py)."""
+will compute them under shared-prefix plans. Per micro-batch (`plan_shared_prefix` for each): a
+group stays whole in one micro-batch unless it alone exceeds the budget; then it is cut into parts,
+each carrying the prefix again. Groups are placed first-fit, largest first (fewer micro-batches than
+placing them in order), and every micro-batch keeps its samples in their original order.
+
+Per step (`held_cost`, for `plan_shared_prefix_step`, which holds a segment its micro-batches share):
+the samples are taken in the order of their trie (a group's members, a subtree's samples, next to one
+another) and placed next-fit, so a group the budget cuts lies in consecutive micro-batches; each
+segment counts once per step, in the micro-batch that first reads it, and every later reader counts
+its held state, `held_cost` of a computed row per row (a held row's bytes over a computed row's:
+keys and values beside a layer's activations); a sample longer than the budget counts its last
+chunk whole and the chunks before it held (the step plan cuts it so).
+
+The cost grows as n log n in the samples (the grouping's and the first fit's), whether they share one
+prompt or none; the cyclic garbage collector is paused throughout, as in the grouping (see
+grouping.py)."""
 from __future__ import annotations
 
 import operator
@@ -18,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.grouping import collector_paused, find_groups
+from megatron_rl_patches.shared_prefix.tree import run_of, sorted_samples, tree_layout
 
 NAME = "shared_prefix_micro_batches"
 LARGEST_ID = 2 ** 63 - 1  # an int64 tensor's
@@ -128,10 +139,51 @@ def physical_micro_batches(values: Sequence[Sequence[int]], max_tokens: int, min
         return sorted((sorted(held) for held in bins.held), key=lambda held: held[0])
 
 
-def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_shared: int = 1) -> list[list[int]]:
+def step_micro_batches(values: Sequence[Sequence[int]], max_tokens: int, min_shared: int = 1,
+                       held_cost: float = 1.0) -> list[list[int]]:
+    """The micro-batches of `values` (checked ids) placed once per step (see the module)."""
+    with collector_paused():
+        lengths = [len(v) for v in values]
+        ids = torch.tensor([t for v in values for t in v], dtype=torch.int64)
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]] if values else []
+        ends = [a + n for a, n in zip(starts, lengths)]
+        tree = tree_layout(ids, starts, ends, min_shared)
+        segment_of = run_of(tree.lengths).index_select(0, tree.logical_rows).tolist()
+        paths = [sorted(set(segment_of[a:b])) for a, b in zip(starts, ends)]
+        rows = tree.lengths.tolist()
+        batches: list[list[int]] = []
+        seen: set[int] = set()  # segments computed in an earlier micro-batch of the step
+        here: set[int] = set()
+        cost = 0.0
+        for sample in sorted_samples(ids, starts, ends):
+            new = [s for s in paths[sample] if s not in here]
+            added = sum(rows[s] * (held_cost if s in seen else 1.0) for s in new)
+            if lengths[sample] > max_tokens:  # its chunks before the last: held
+                added -= (lengths[sample] - max_tokens) * (1.0 - held_cost)
+            if batches and here and cost + added > max_tokens:
+                seen |= here
+                here, cost = set(), 0.0
+                new = list(paths[sample])
+                added = sum(rows[s] * (held_cost if s in seen else 1.0) for s in new)
+                if lengths[sample] > max_tokens:
+                    added -= (lengths[sample] - max_tokens) * (1.0 - held_cost)
+                batches.append([])
+            if not batches:
+                batches.append([])
+            batches[-1].append(sample)
+            here |= set(new)
+            cost += added
+        return [sorted(batch) for batch in batches]
+
+
+def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_shared: int = 1,
+                                held_cost: float | None = None) -> list[list[int]]:
     """The samples' indices per micro-batch, each micro-batch at most `max_tokens` physical tokens
     (what its shared-prefix plan computes: each group's shared prefix once, each member's own tokens).
-    A sample longer than `max_tokens` is refused by name (no micro-batch holds it)."""
+    Without `held_cost` each micro-batch is planned on its own (`plan_shared_prefix`) and a sample
+    longer than `max_tokens` is refused by name (no micro-batch holds it); with it, the step is planned
+    together (`plan_shared_prefix_step(..., max_tokens=max_tokens)`): a segment counted once per step,
+    a held row at `held_cost` of a computed one (0 to 1), a sample longer than the budget in chunks."""
     if not isinstance(samples, Sequence) or isinstance(samples, (str, bytes)):
         raise TypeError(f"{NAME}: samples must be a list of samples (each a 1-D tensor or a list of ids), got "
                         f"{type(samples).__name__}")
@@ -140,12 +192,19 @@ def shared_prefix_micro_batches(samples: Sequence[Any], max_tokens: int, *, min_
     if not isinstance(min_shared, int) or isinstance(min_shared, bool) or min_shared < 1:
         raise ValueError(f"{NAME}: min_shared must be an int >= 1 (the fewest leading tokens a group shares), "
                          f"got {min_shared!r}")
+    if held_cost is not None and (isinstance(held_cost, bool) or not isinstance(held_cost, (int, float))
+                                  or not 0.0 <= held_cost <= 1.0):
+        raise ValueError(f"{NAME}: held_cost must be a number from 0 to 1 (a held row's bytes over a computed "
+                         f"row's), or None to plan each micro-batch on its own, got {held_cost!r}")
     with collector_paused():
         values = [sample_ids(sample, i) for i, sample in enumerate(samples)]
         for i, sample in enumerate(values):
             if not sample:
                 raise ValueError(f"{NAME}: samples[{i}] is empty")
-            if len(sample) > max_tokens:
+            if held_cost is None and len(sample) > max_tokens:
                 raise ValueError(f"{NAME}: samples[{i}] has {len(sample)} tokens, more than "
-                                 f"max_tokens={max_tokens}: raise max_tokens or cut the sample")
+                                 f"max_tokens={max_tokens}: raise max_tokens, cut the sample, or plan the step "
+                                 "together (held_cost=...), which trains it in chunks")
+        if held_cost is not None:
+            return step_micro_batches(values, max_tokens, min_shared, float(held_cost))
         return physical_micro_batches(values, max_tokens, min_shared)

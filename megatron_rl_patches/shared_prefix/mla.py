@@ -30,6 +30,7 @@ from typing import Any
 
 from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.shared_prefix.context_parallel import Share, WholeRotaryTable, group_share, taken
+from megatron_rl_patches.shared_prefix.held import computed, held_rows_of
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 from megatron_rl_patches.shared_prefix.prepared import Prepared
 from megatron_rl_patches.shared_prefix.sparse_attention_refusal import refusal as sparse_refusal
@@ -45,7 +46,9 @@ class PlannedLength(int):
     share: Share | None
 
     def __new__(cls, plan: SharedPrefixPlan, share: Share | None) -> PlannedLength:
-        length = super().__new__(cls, plan.physical_length if share is None else int(share.physical.numel()))
+        held = held_rows_of(plan)
+        rows = plan.physical_length if held is None else int(held.computed.numel())
+        length = super().__new__(cls, rows if share is None else int(share.physical.numel()))
         length.plan, length.share = plan, share
         return length
 
@@ -85,7 +88,7 @@ def _at_positions(table: Any, length: PlannedLength) -> Any:
     """[longest, 1, 1, d] -> [rows, 1, d]: row i at this rank's physical row i's position
     (megatron-core squeezed the packed batch of MLA's queries and keys, [rows, heads, d])."""
     plan, share = length.plan, length.share
-    positions = (plan.on(table.device, "positions") if share is None
+    positions = (computed(plan, "positions", table.device) if share is None
                  else taken(plan, share, "positions", "physical", table.device))
     return table.index_select(0, positions).squeeze(1)
 

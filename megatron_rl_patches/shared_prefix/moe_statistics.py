@@ -57,17 +57,20 @@ from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.shared_prefix.context_parallel import (
     GatheredStream,
     Share,
+    computed_count,
     gathered_logical_order,
     gathered_stream,
     module_share,
     taken,
 )
+from megatron_rl_patches.shared_prefix.held import MAIN, HeldRows, held_rows_of, whole_stream
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, physical_readers, shared_prefix_plan_of
 from megatron_rl_patches.shared_prefix.prepared import Prepared
 
 # megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params: the layer's call hands
 # its params (holding the plan) to its own router under this attribute, and takes them back when the call ends
 LAYER_PARAMS = "_megatron_rl_patches_shared_prefix_layer_params"
+ROUTER_LOGITS = "router-logits"  # what a shared segment hands the readers' MoE statistics: its rows' logits
 
 
 def layer_params(router: Any) -> Any:
@@ -123,13 +126,14 @@ def end_of_the_call(layer: Any, args: tuple, output: Any) -> None:
 def _sequence_shares(router: Any, plan: SharedPrefixPlan, rows: int) -> tuple[int, int, Any] | None:
     """(ranks, this rank, group) where `router` sees this rank's sequence-parallel share of the plan's
     stream; None where it sees the whole stream."""
-    if rows == plan.physical_length:
+    computed = computed_count(plan)
+    if rows == computed:
         return None
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     count = parallel_state.get_tensor_model_parallel_world_size()
-    if not getattr(router.config, "sequence_parallel", False) or count < 2 or rows * count != plan.physical_length:
-        raise ValueError(f"shared prefix: the router sees {rows} rows, the plan's stream {plan.physical_length}: a "
+    if not getattr(router.config, "sequence_parallel", False) or count < 2 or rows * count != computed:
+        raise ValueError(f"shared prefix: the router sees {rows} rows, the plan's stream {computed}: a "
                          "router's statistics are counted on the whole stream or on its sequence-parallel share")
     if router.routing_type == "sinkhorn":
         raise ValueError("shared prefix: Sinkhorn load balancing in training under sequence parallelism is not taken "
@@ -162,7 +166,7 @@ def _context_parallel_routing(cls: Any, router: Any, flat: torch.Tensor, plan: S
                              f"plan's stream {held}: its {share.logical.numel()} logical rows must split evenly over "
                              f"the {count} tensor-parallel ranks")
         flat = tensor_parallel.gather_from_sequence_parallel_region(flat, group=tp_group)
-    whole = gathered_stream(flat, plan, share, group)
+    whole = whole_stream(plan, gathered_stream(flat, plan, share, group), ROUTER_LOGITS, router)
     logical = taken(plan, share, "logical_rows", "logical", whole.device)
     part = logical.numel() // count
     probs, routing_map = cls.routing(router, whole.index_select(0, logical[rank * part:(rank + 1) * part]).unsqueeze(1))
@@ -181,6 +185,50 @@ def _context_parallel_routing(cls: Any, router: Any, flat: torch.Tensor, plan: S
     return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
 
+def computed_readers(plan: SharedPrefixPlan, device: Any) -> torch.Tensor:
+    """[rows the model computes]: a logical row that reads each (`physical_readers` at those rows; cached)."""
+    held = held_rows_of(plan)
+    if held is None:
+        return physical_readers(plan, device)
+    return plan.cached(("held-readers", str(torch.device(device))), lambda: physical_readers(plan, device)
+                       .index_select(0, held.computed.to(device)))
+
+
+def _refuse_held_sinkhorn(router: Any, held: HeldRows | None) -> None:
+    if held is not None and router.routing_type == "sinkhorn":
+        raise ValueError("shared prefix: Sinkhorn load balancing in training is not taken with segments held across "
+                         "micro-batches (it balances each micro-batch's rows together); plan each micro-batch on its "
+                         "own (plan_shared_prefix)")
+
+
+def _held_rows_routed_alone(cls: Any, router: Any, logits: torch.Tensor, plan: SharedPrefixPlan, params: Any) -> Any:
+    """A pass of a step that counts no statistics (a side pass, a recompute, evaluation): its rows
+    routed per token (counting nothing: the readers count a held segment's rows, once per sample), the
+    router logits of the segments it keeps kept for their readers' statistics (every rank's rows
+    gathered: the whole stream)."""
+    held = held_rows_of(plan)
+    assert held is not None
+    if held.exports:
+        rows = logits.shape[0] * logits.shape[1]
+        whole = logits.reshape(rows, logits.shape[-1])
+        cp = module_share(router, plan, params)
+        mine = computed_count(plan) if cp is None else int(cp[0].physical.numel())
+        if rows != mine:
+            from megatron.core import parallel_state, tensor_parallel  # lazy: optional dependency megatron-core
+
+            whole = tensor_parallel.gather_from_sequence_parallel_region(
+                whole, group=parallel_state.get_tensor_model_parallel_group())
+        if cp is not None:
+            whole = gathered_stream(whole, plan, *cp)
+        whole_stream(plan, whole, ROUTER_LOGITS, router)
+    counts = router.local_tokens_per_expert
+    before = None if counts is None or held.mode == MAIN else counts.clone()
+    out = cls.routing(router, logits)
+    if before is not None:  # a recompute's rows are counted by their readers
+        counts.copy_(before)
+    return out
+
+
 class PlannedRouter(Prepared):
     """The mark of a router whose class `planned_router_class` made."""
 
@@ -192,32 +240,39 @@ def planned_router_class(cls: Any) -> type:
     def routing(self: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         params = layer_params(self)
         plan = shared_prefix_plan_of(params)
+        held = held_rows_of(plan)
+        if plan is not None and held is not None and not (held.mode == MAIN and self.training
+                                                           and counts_statistics(self)):
+            return _held_rows_routed_alone(cls, self, logits, plan, params)
         if plan is None or not self.training or not counts_statistics(self):
             return cls.routing(self, logits, *args, **kwargs)
         if args or kwargs.get("padding_mask") is not None:
             raise ValueError("shared prefix: a padding mask is not taken with a shared-prefix plan")
         rows = logits.shape[0] * logits.shape[1]
         flat = logits.reshape(rows, logits.shape[-1])
-        held = module_share(self, plan, params)
-        if held is not None:
-            return _context_parallel_routing(cls, self, flat, plan, *held)
+        cp = module_share(self, plan, params)
+        if cp is not None:
+            return _context_parallel_routing(cls, self, flat, plan, *cp)
+        _refuse_held_sinkhorn(self, held)
         shares = _sequence_shares(self, plan, rows)
         if shares is None:
-            logical = flat.index_select(0, plan.on(flat.device, "logical_rows"))
+            virtual = whole_stream(plan, flat, ROUTER_LOGITS, self)  # a step's held rows back in place
+            logical = virtual.index_select(0, plan.on(flat.device, "logical_rows"))
             probs, routing_map = cls.routing(self, logical.unsqueeze(1))
-            reader = physical_readers(plan, probs.device)
+            reader = computed_readers(plan, probs.device)
             return probs.index_select(0, reader), routing_map.index_select(0, reader)
         from megatron.core import tensor_parallel  # lazy: optional dependency megatron-core
 
         count, rank, group = shares
-        whole = tensor_parallel.gather_from_sequence_parallel_region(flat, group=group)
+        whole = whole_stream(plan, tensor_parallel.gather_from_sequence_parallel_region(flat, group=group),
+                             ROUTER_LOGITS, self)
         share = plan.logical_length // count
         mine = plan.on(flat.device, "logical_rows")[rank * share:(rank + 1) * share]
         probs, routing_map = cls.routing(self, whole.index_select(0, mine).unsqueeze(1))
         every_probs = tensor_parallel.gather_from_sequence_parallel_region(probs, group=group)
         with torch.no_grad():  # gloo gathers no bool: the routing map as bytes
             every_map = tensor_parallel.gather_from_sequence_parallel_region(routing_map.to(torch.uint8), group=group)
-        reader = physical_readers(plan, probs.device)[rank * rows:(rank + 1) * rows]
+        reader = computed_readers(plan, probs.device)[rank * rows:(rank + 1) * rows]
         return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedRouter), {"routing": routing, "__module__": cls.__module__,

@@ -51,10 +51,11 @@ def padding_sequences(bounds: list[int], samples: int, length: int) -> list[tupl
 
 
 def padding_layout(ids: torch.Tensor, bounds: list[int], samples: int, sample_rows: int, pad_to: int,
-                   repeated_once: bool = False) -> PaddingLayout:
+                   repeated_once: bool = False, at_least: int = 0) -> PaddingLayout:
     """The padding of the packed `ids` (boundaries `bounds`, the first `samples` sequences samples)
-    after the samples' `sample_rows` physical rows, the whole stream padded to a multiple of `pad_to`;
-    `repeated_once`: a padding sequence of one repeated id computed on one row (see the module)."""
+    after the samples' `sample_rows` physical rows, the whole stream padded to a multiple of `pad_to`
+    and to at least `at_least` rows; `repeated_once`: a padding sequence of one repeated id computed on
+    one row (see the module)."""
     sources, lengths, rows = [], [], []
     placed = 0
     for start, end in padding_sequences(bounds, samples, ids.numel()):
@@ -65,6 +66,7 @@ def padding_layout(ids: torch.Tensor, bounds: list[int], samples: int, sample_ro
         placed += lengths[-1]
     tokens = ids.numel() - bounds[samples]
     filler = (-(sample_rows + placed)) % pad_to
+    filler = max(filler, at_least - (sample_rows + placed))
     if filler:
         sources.append(-1)
         lengths.append(filler)

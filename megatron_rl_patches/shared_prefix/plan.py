@@ -26,7 +26,7 @@ import torch
 from megatron_rl_patches.shared_prefix.grouping import Group
 from megatron_rl_patches.shared_prefix.padding import padding_layout
 from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
-from megatron_rl_patches.shared_prefix.tree import run_of, tree_layout
+from megatron_rl_patches.shared_prefix.tree import TreeLayout, run_of, tree_layout
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ class SharedPrefixPlan:
     stats: PlanStats
     padding_rows: int
     sequence_bounds: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
+    # rows a step's held segments hold (`held.HeldRows`): None where the plan computes every row itself
+    held: Any = None
     _placed: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -164,6 +166,40 @@ def _count(name: str, value: Any, low: int) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """A packed micro-batch's arguments, checked: its ids (int64 on the CPU), its sequence `bounds`
+    and how many of its sequences are `samples` (the rest, and the rows past the last bound, padding)."""
+
+    ids: torch.Tensor
+    bounds: list[int]
+    samples: int
+
+    @property
+    def starts(self) -> list[int]:
+        return self.bounds[:self.samples]
+
+    @property
+    def ends(self) -> list[int]:
+        return self.bounds[1:self.samples + 1]
+
+
+def checked_micro_batch(tokens: torch.Tensor, cu_seqlens: Any, samples: int | None = None) -> MicroBatch:
+    """`plan_shared_prefix`'s micro-batch arguments checked and read by value (see there)."""
+    ids = _ids(tokens)
+    bounds = _bounds(cu_seqlens, ids.numel())
+    n = len(bounds) - 1
+    samples = n if samples is None else _count("samples", samples, 0)
+    if samples > n:
+        raise ValueError(f"plan_shared_prefix: samples={samples} but cu_seqlens holds {n} sequences")
+    no_negative_id(ids, bounds)
+    batch = MicroBatch(ids, bounds, samples)
+    if any(end <= start for start, end in zip(batch.starts, batch.ends)):
+        raise ValueError("plan_shared_prefix: a sample of length 0 (cu_seqlens repeats a boundary); "
+                         "pack only non-empty samples")
+    return batch
+
+
 def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | None = None, pad_to: int = 1,
                        min_shared: int = 1, hints: Sequence[Any] | None = None,
                        levels: int | None = None, repeated_padding_once: bool = False) -> SharedPrefixPlan:
@@ -182,28 +218,30 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     `levels` caps the shared segments on a sample's path (1: a group's longest common prefix, then
     each member's rest whole). `hints` (one per sample, e.g. a claimed group index) only count
     claimed groups whose tokens differ."""
-    ids = _ids(tokens)
-    bounds = _bounds(cu_seqlens, ids.numel())
-    n = len(bounds) - 1
-    samples = n if samples is None else _count("samples", samples, 0)
-    if samples > n:
-        raise ValueError(f"plan_shared_prefix: samples={samples} but cu_seqlens holds {n} sequences")
-    pad_to, min_shared = bounded_pad_to(_count("pad_to", pad_to, 1), ids.numel()), _count("min_shared", min_shared, 1)
-    no_negative_id(ids, bounds)
-    starts, ends = bounds[:samples], bounds[1:samples + 1]
-    if any(end <= start for start, end in zip(starts, ends)):
-        raise ValueError("plan_shared_prefix: a sample of length 0 (cu_seqlens repeats a boundary); "
-                         "pack only non-empty samples")
-    hints = hint_values(hints, samples)
+    batch = checked_micro_batch(tokens, cu_seqlens, samples)
+    pad_to, min_shared = _count("pad_to", pad_to, 1), _count("min_shared", min_shared, 1)
+    hints = hint_values(hints, batch.samples)
     if levels is not None:
         _count("levels", levels, 1)
     if not isinstance(repeated_padding_once, bool):
         raise TypeError(f"plan_shared_prefix: repeated_padding_once must be a bool, got {repeated_padding_once!r}")
-    tree = tree_layout(ids, starts, ends, min_shared, levels)
+    tree = tree_layout(batch.ids, batch.starts, batch.ends, min_shared, levels)
+    return plan_of_layout(batch, tree, pad_to, hints, repeated_padding_once)
+
+
+def plan_of_layout(batch: MicroBatch, tree: TreeLayout, pad_to: int = 1, hints: list[Any] | None = None,
+                   repeated_padding_once: bool = False, held_rows: int = 0, at_least: int = 0) -> SharedPrefixPlan:
+    """The plan of `batch` laid out as `tree` (its samples' segments), its padding as
+    `plan_shared_prefix` lays it out, so that the rows the model computes (all but `held_rows`, which
+    a step's held segments hold) are a multiple of `pad_to`, and at least `at_least` (a step's ranks
+    that compute their passes together; at least a row where every other is held)."""
+    ids, bounds, samples = batch.ids, batch.bounds, batch.samples
+    pad_to = bounded_pad_to(pad_to, ids.numel())
     groups = tuple(Group(members, shared) for members, shared in tree.tops)
     physical = tree.rows
     samples_end = bounds[samples]
-    padding = padding_layout(ids, bounds, samples, physical, pad_to, repeated_padding_once)
+    padding = padding_layout(ids, bounds, samples, physical - held_rows, pad_to, repeated_padding_once,
+                             max(at_least, pad_to if held_rows else 0))
     # the padding after the samples' rows (`padding.padding_layout`): each sequence a segment of its own
     starts_x = physical + padding.lengths.cumsum(0) - padding.lengths
     zeros = torch.zeros_like(padding.lengths)

@@ -62,6 +62,30 @@ def grpo_batch(groups: tuple = ((40, (5, 9, 3)),), alone: tuple = (12,), padding
     return _packed(sequences, padding, draw)
 
 
+def packed_batch(sequences: list[list[int]], padding: int = 0, vocab: int = 64, seed: int = 0,
+                 pad_id: int | None = None) -> PackedBatch:
+    """`sequences` packed as one micro-batch, `padding` rows after them (random ids from `seed`, or
+    `pad_id` repeated as slime pads)."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    if pad_id is None:
+        return _packed(sequences, padding, draw)
+    drawn = iter([[pad_id] * padding, draw(1)])  # the padding, then the last label
+    return _packed(sequences, padding, lambda n: next(drawn))
+
+
+def step_batches(sequences: list[list[int]], cuts: list[list[int]], padding: int = 3, seed: int = 0,
+                 multiple: int = 1, pad_id: int | None = None) -> list[PackedBatch]:
+    """One step's micro-batches: `cuts[i]` the indices of `sequences` packed in micro-batch i (each with
+    `padding` rows after its samples, and as many more as make it a `multiple` of rows; `pad_id`: their id)."""
+    batches = []
+    for index, cut in enumerate(cuts):
+        rows = sum(len(sequences[i]) for i in cut) + padding
+        batches.append(packed_batch([sequences[i] for i in cut], padding + (-rows) % multiple, seed=seed + index,
+                                    pad_id=pad_id))
+    return batches
+
+
 def _packed(sequences: list[list[int]], padding: int, draw: Any) -> PackedBatch:
     flat = [t for s in sequences for t in s]
     lengths = [len(s) for s in sequences] + ([padding] if padding else [])

@@ -594,8 +594,14 @@ def _context_parallel_checks() -> dict:
                                                   for index in range(len(context_parallel_batches()))])
 
 
+def _held_checks() -> dict:
+    from kit.held_segments import held_checks
+
+    return held_checks()
+
+
 def _world(rank: int, world_size: int) -> dict:
-    return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
+    return {"held": _held_checks(), "tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
             "tp2-mla": _latent_attention_checks(False), "tp2-sp-mla": _latent_attention_checks(True),
             "tp2-sp-dsa": _sparse_attention_checks(),
             "tp2-mtp": _mtp_checks(False), "tp2-sp-mtp": _mtp_checks(True),
@@ -782,3 +788,34 @@ def test_gated_delta_nets_continue_each_prefix_over_tensor_parallel_ranks(world,
         rows, physical = checks["rows"]
         assert rows == (physical // 2 if layout.endswith("-sp") else physical)
         assert checks["log_probs"] < TOL and checks["entropy"] < TOL and checks["grads"] < GRAD_TOL
+
+
+@layouts.mark("tp2", "sp")
+def test_held_segments_under_sequence_parallelism_equal_the_packed_path(world):
+    for rank in world:
+        log_probs, grads, left = rank["held"]["tp2-sp"]
+        assert log_probs < TOL and grads < GRAD_TOL and not left
+
+
+def test_held_segments_through_the_schedule_at_data_parallelism_reduce_the_packed_gradient(world):
+    for rank in world:  # each rank its own cuts: its side passes and recomputes its own
+        assert rank["held"]["dp2"][0] < GRAD_TOL
+
+
+@layouts.mark("cp2-zigzag", "cp2-allgather")
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_held_segments_at_context_parallelism_equal_the_packed_path(world, layout):
+    if not world[0]["held"][f"cp2-{layout}"]:
+        pytest.skip("megatron-core < 0.16 refuses a plan at context parallelism by name")
+    for rank in world:
+        log_probs, grads, left = rank["held"][f"cp2-{layout}"]
+        assert log_probs < TOL and grads < GRAD_TOL and not left
+
+
+@layouts.mark("ep2", "moe")
+def test_held_segments_at_expert_parallelism_agree_their_passes_and_count_statistics(world):
+    for rank in world:
+        log_probs, grads, losses, counts, bias, side, owned = rank["held"]["ep2"]
+        assert log_probs < TOL and grads < GRAD_TOL and losses < TOL and counts and bias
+        # rank 0 owns the prompt in its third micro-batch, rank 1 in its second: both run both recomputes
+        assert (side, owned) == ([2, 0, 0], [0, 2, 2])

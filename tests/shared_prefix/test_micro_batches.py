@@ -156,3 +156,55 @@ def test_largest_parts_first_each_into_the_first_micro_batch_with_room():
     samples = [[300 + i] * 5 for i in range(8)] + [[400 + i] * 3 for i in range(4)]
     assert shared_prefix_micro_batches(samples, 8) == [[0, 8], [1, 9], [2, 10], [3, 11], [4], [5], [6], [7]]
     assert shared_prefix_micro_batches([[1], [2]], 1) == [[0], [1]]  # a budget of one token
+
+
+def test_once_per_step_a_group_the_budget_cuts_lies_in_consecutive_micro_batches_counted_once():
+    from megatron_rl_patches.apps.bench.shared_prefix_budgets import group_samples, trie_size
+
+    samples = group_samples(300, 20, 20, seed=1) + group_samples(40, 100, 4, seed=2) + [list(range(500, 530))]
+    per_step = shared_prefix_micro_batches(samples, 400, held_cost=0.0)
+    places = {i: m for m, batch in enumerate(per_step) for i in batch}
+    for members in (range(20), range(20, 24)):  # each group's parts in consecutive micro-batches
+        used = sorted({places[i] for i in members})
+        assert used == list(range(used[0], used[-1] + 1))
+    assert sorted(i for batch in per_step for i in batch) == list(range(len(samples)))
+    assert len({places[i] for i in range(20)}) == 2  # the prompt and 5 tails, then the 15 other tails on it held
+    # each micro-batch's own rows and first reads within the budget, the step's tokens the trie's
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix_step
+
+    def packed(batch):
+        bounds = [0]
+        for i in batch:
+            bounds.append(bounds[-1] + len(samples[i]))
+        return torch.tensor([t for i in batch for t in samples[i]]), bounds
+
+    step = plan_shared_prefix_step([packed(b) for b in per_step], max_tokens=400)
+    assert step.stats.computed_tokens == trie_size(samples)
+    assert all(plan.held.computed.numel() <= 400 for plan in step.plans)
+    dear = plan_shared_prefix_step([packed(b) for b in shared_prefix_micro_batches(samples, 400, held_cost=1.0)],
+                                   max_tokens=400)  # a held row as dear as a computed one: both within the budget
+    assert all(plan.held.computed.numel() + plan.held.held_rows <= 400 for plan in dear.plans)
+    assert any(plan.held.computed.numel() + plan.held.held_rows > 400 for plan in step.plans)
+    each = shared_prefix_micro_batches(samples, 400)  # per micro-batch: a cut group's prompt again in each part
+    assert sum(plan_shared_prefix(*packed(b)).stats.physical_tokens for b in each) > trie_size(samples)
+
+
+def test_once_per_step_a_sample_past_the_budget_is_taken_and_a_bad_held_cost_refused():
+    long = [list(range(1000))]
+    assert shared_prefix_micro_batches(long, 300, held_cost=0.5) == [[0]]
+    with pytest.raises(ValueError, match="more than max_tokens=300: raise max_tokens, cut the sample, or plan"):
+        shared_prefix_micro_batches(long, 300)
+    for bad in (-0.1, 1.5, True, "0.5", float("nan")):
+        with pytest.raises(ValueError, match=r"held_cost must be a number from 0 to 1 \(a held row's bytes over a "):
+            shared_prefix_micro_batches(long, 300, held_cost=bad)
+
+
+def test_at_slimes_budgets_once_per_step_computes_the_samples_trie():
+    """The planner's table (docs/benchmarks.md) on two of its rows: once per step, the step computes
+    the samples' trie exactly (padding none), once per micro-batch more."""
+    from megatron_rl_patches.apps.bench.shared_prefix_budgets import SHAPES, budget_row, group_samples
+
+    for shape, prompt, response, group, budget in (SHAPES[0], SHAPES[-1]):
+        row = budget_row(shape, group_samples(prompt, response, group), budget)
+        assert row.per_step == row.trie < row.per_micro_batch <= row.packed
+    assert row.per_micro_batch == row.packed and round(row.per_step / row.packed, 3) == 0.180  # the CPU shape

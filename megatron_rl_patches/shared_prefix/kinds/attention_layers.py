@@ -13,6 +13,7 @@ from typing import Any
 from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.model.kinds import qualified_name
 from megatron_rl_patches.shared_prefix.context_parallel import module_share, taken
+from megatron_rl_patches.shared_prefix.held import computed
 from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, ModelKind
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 from megatron_rl_patches.shared_prefix.prepared import Prepared, own_class
@@ -56,7 +57,7 @@ def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, 
                              f"sample {plan.longest}")
         if held is not None:
             return emb.index_select(0, taken(plan, held[0], "positions", "physical", emb.device))
-        return emb.index_select(0, plan.on(emb.device, "positions"))
+        return emb.index_select(0, computed(plan, "positions", emb.device))
 
     call.set("rotary_pos_emb", tuple(at_positions(e) for e in table) if isinstance(table, tuple)
              else at_positions(table))

@@ -14,12 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.model.kinds import qualified_name
-from megatron_rl_patches.shared_prefix.gated_delta_net import prepare_gated_delta_net
+from megatron_rl_patches.shared_prefix.gated_delta_net import STATE, WINDOW, prepare_gated_delta_net
 from megatron_rl_patches.shared_prefix.kinds.fields import per_token, rows
 from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation, RefusedByName
 
 # what a shared segment hands a gated delta net's continuation: its convolution's last rows and its final state
-WINDOW, STATE = "gdn-window", "gdn-state"
 RECURRENT = Continuation(roles=(WINDOW, STATE), along_rows=True)
 
 

@@ -21,8 +21,11 @@ from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.model.chunks import iter_wrapped
 from megatron_rl_patches.model.kinds import is_language_model
 from megatron_rl_patches.shared_prefix.context_parallel import gathered_stream, module_share, taken
+from megatron_rl_patches.shared_prefix.held import computed, held_rows_of, whole_stream
+from megatron_rl_patches.shared_prefix.held_passes import begin_held_pass, deferred_at_input, end_held_pass
 from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation
-from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.packed_params import shared_prefix_params
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
 
 FIRST_CALL = "_megatron_rl_patches_shared_prefix_first_call"  # the model's `FirstCall`, set by prepare_shared_prefix
 
@@ -80,7 +83,12 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
         if plan.physical_length and int(plan.tokens.min()) < 0:
             raise ValueError(f"shared prefix: token id {int(plan.tokens.min())} is negative: the model's ids are 0 "
                              f"to {vocab - 1}")
-        if share is None:
+        if held_rows_of(plan) is not None:
+            begin_held_pass(module, plan, params, run_segments)
+        if held_rows_of(plan) is not None and share is None:
+            call.set("input_ids", computed(plan, "tokens", ids.device)[None])
+            call.set("position_ids", computed(plan, "positions", ids.device)[None])
+        elif share is None:
             call.set("input_ids", plan.on(ids.device, "tokens")[None])
             call.set("position_ids", plan.on(ids.device, "positions")[None])
         else:
@@ -90,6 +98,15 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
         raise ValueError("shared prefix: padding_mask is not taken with a shared-prefix plan (the plan's padding "
                          "rows are its own); pass padding_mask=None")
     return call.done()
+
+
+def run_segments(model: Any, plan: SharedPrefixPlan, like: Any) -> Any:
+    """`model` (a prepared language model) over a plan of a step's segments alone, with the route and
+    layout of the pass's params `like`: no logical rows, so nothing past the decoder is computed (its
+    output holds no row)."""
+    device = next(model.parameters()).device
+    return model(torch.empty(1, 0, dtype=torch.int64, device=device), None, None,
+                 packed_seq_params=shared_prefix_params(plan, route=like.route, cp_layout=like.cp_layout))
 
 
 def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -116,11 +133,13 @@ def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         # every rank reads the whole stream: the gradient each gets back is the whole one, so keep a split
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
     if held is None:
-        rows = hidden.index_select(0, plan.on(hidden.device, "logical_rows"))
+        whole = whole_stream(plan, hidden, OUTPUT, module)  # with the held segments' rows, where a step holds some
+        rows = whole.index_select(0, plan.on(hidden.device, "logical_rows"))
     else:  # every rank's physical rows, read at this rank's logical rows
         share, group = held
-        whole = gathered_stream(hidden, plan, share, group)
+        whole = whole_stream(plan, gathered_stream(hidden, plan, share, group), OUTPUT, module)
         rows = whole.index_select(0, taken(plan, share, "logical_rows", "logical", whole.device))
+    end_held_pass(plan)
     if tp > 1:
         rows = tensor_parallel.scatter_to_sequence_parallel_region(rows)
     return rows
@@ -134,6 +153,7 @@ class LanguageModels(ByCode):
         if not is_language_model(module):
             return False  # a wrapper: the language model inside it is prepared itself
         module.register_forward_pre_hook(physical_inputs, with_kwargs=True)
+        module.decoder.register_forward_pre_hook(deferred_at_input, with_kwargs=True)
         module.decoder.register_forward_hook(logical_rows, with_kwargs=True)
         return True
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_rl_patches.shared_prefix.kinds.fields import UNTESTED, Known, Settings, checked, per_token, rows, zero
 from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation
-from megatron_rl_patches.shared_prefix.moe_statistics import is_moe_layer, prepare_moe_layer
+from megatron_rl_patches.shared_prefix.moe_statistics import ROUTER_LOGITS, is_moe_layer, prepare_moe_layer
 
 ROUTING = per_token("each token's own routing (MoE routing per token is exact: tested at EP = 1 and 2)")
 WITHOUT_DROPPING = per_token("only with moe_expert_capacity_factor, which is refused")
@@ -113,6 +113,5 @@ FIELDS = rows({  # routing is per token; statistics over the batch's tokens are 
     "moe_per_layer_logging": per_token("logging only: the logged counts are of the tokens computed"),
 }, {ROUTING: """moe_router_topk moe_router_score_function moe_router_pre_softmax moe_router_topk_scaling_factor
         moe_router_num_groups moe_router_group_topk moe_router_topk_limited_devices moe_router_dtype"""})
-ROUTER_LOGITS = "router-logits"  # what a shared segment hands the readers' MoE statistics: its rows' logits
 MOE_LAYERS = MoeLayers("MoE layer", classes=("megatron.core.transformer.transformer_layer:TransformerLayer",),
                        fields=FIELDS, continuation=Continuation(roles=(ROUTER_LOGITS,)))

@@ -19,6 +19,7 @@ from typing import Any
 from megatron_rl_patches.model.attention_layout import with_batch
 from megatron_rl_patches.shared_prefix.attention import shared_prefix_attention
 from megatron_rl_patches.shared_prefix.context_parallel import gathered_stream, module_share
+from megatron_rl_patches.shared_prefix.held import held_rows_of, whole_stream
 from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, Continuation
 from megatron_rl_patches.shared_prefix.kinds.windows_sinks import attention_sink, layer_window
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
@@ -53,10 +54,15 @@ def shared_prefix_core_class(cls: Any) -> type:
             share, group = held
             key, value = (gathered_stream(t, plan, share, group) for t in with_batch(key, value))
             query = with_batch(query)[0]
+        step = held_rows_of(plan)
+        if step is not None:  # a step's held segments: their keys and values put back in the stream
+            query, key, value = with_batch(query, key, value)
+            key, value = whole_stream(plan, key, KEYS, self), whole_stream(plan, value, VALUES, self)
         return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route,
                                        window=layer_window(config, getattr(self, "layer_number", 1)),
                                        sink=attention_sink(self),
-                                       share=None if held is None else (held[0].size, held[0].rank))
+                                       share=None if held is None else (held[0].size, held[0].rank),
+                                       query_rows=None if step is None or held is not None else step.computed)
 
     return type(f"SharedPrefix{cls.__name__}", (cls, SharedPrefixCore),
                 {"forward": forward, "__module__": cls.__module__, "__doc__": cls.__doc__})

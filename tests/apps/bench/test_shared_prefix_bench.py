@@ -132,13 +132,41 @@ def test_the_model_shapes_measure_each_against_the_same_model_unshared(tmp_path,
 
 
 def test_an_unknown_shape_is_refused_naming_every_shape():
-    from megatron_rl_patches.apps.bench import shared_prefix, shared_prefix_models, shared_prefix_shapes
+    from megatron_rl_patches.apps.bench import (
+        shared_prefix,
+        shared_prefix_agentic,
+        shared_prefix_models,
+        shared_prefix_shapes,
+    )
     from megatron_rl_patches.apps.cli.bench import BENCHMARKS
 
     # the CLI's choices (shared_prefix_shapes.ALL_SHAPES) are the shapes the two modules run, through one door
-    assert set(shared_prefix_shapes.ALL_SHAPES) == {*shared_prefix.SHAPES, *shared_prefix_models.SHAPES, "all"}
+    assert set(shared_prefix_shapes.ALL_SHAPES) == {*shared_prefix.SHAPES, *shared_prefix_models.SHAPES,
+                                                    *shared_prefix_agentic.SHAPES, "all"}
     assert BENCHMARKS["shared-prefix"] == shared_prefix_shapes.__name__
 
     with pytest.raises(ValueError, match="got 'tree'") as refused:
         shared_prefix_shapes.run(quick=True, shape="tree")
     assert all(shape in str(refused.value) for shape in shared_prefix_shapes.ALL_SHAPES)
+
+
+def test_the_agentic_shape_computes_a_cut_group_once_per_step(tmp_path):
+    """`--shape agentic`: a group the budget cuts and a sample per turn past it, packed whole, once per
+    micro-batch and once per step through megatron-core's schedule: the step computes the samples'
+    trie (its tokens), runs the held segments again in backward, and scores every sample as packed whole."""
+    pytest.importorskip("megatron.core")
+    from megatron_rl_patches.apps.bench.shared_prefix_agentic import QUICK, samples_of
+    from megatron_rl_patches.apps.bench.shared_prefix_budgets import trie_size
+    from megatron_rl_patches.apps.cli import main
+
+    assert main(["bench", "shared-prefix", "--quick", "--shape", "agentic", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "shared_prefix_agentic.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {row["packing"] for row in rows} == {"packed whole", "once per micro-batch", "once per step"}
+    for case, samples, _ in samples_of(QUICK):
+        got = {row["packing"]: row for row in rows if row["case"] == case}
+        assert int(got["packed whole"]["tokens"]) == sum(len(s) for s in samples)
+        assert int(got["once per step"]["tokens"]) == trie_size(samples) < int(got["once per micro-batch"]["tokens"])
+        assert int(got["once per step"]["recomputed"]) > 0
+        assert all(float(row["max_abs_diff"]) < 1e-5 for row in got.values())
+    assert (tmp_path / "shared_prefix_agentic.png").exists()
