@@ -28,8 +28,6 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.megatron.opd import (
-    hf_teachers,
-    hidden_teachers,
     opd_terms,
     teacher_builders,
     topk_teachers,
@@ -49,7 +47,8 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
 )
 from megatron_rl_patches.integrations.megatron.opd.served_checks import check_served
 from megatron_rl_patches.integrations.megatron.opd.served_opd import note_figures
-from megatron_rl_patches.integrations.megatron.opd.stage_host import last_stage, pipeline_agrees
+from megatron_rl_patches.integrations.megatron.opd.stage_host import pipeline_agrees
+from megatron_rl_patches.integrations.megatron.opd.step_contexts import METADATA, step_contexts
 from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CONTEXTS,
     CROSS_RATIO,
@@ -67,7 +66,7 @@ from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
 from megatron_rl_patches.integrations.megatron.step_iterators import carrying
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
-from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
+from megatron_rl_patches.integrations.slime.contexts import check_layouts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.fused_step import (
     FusedStep,
@@ -113,17 +112,10 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
 
 
 def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
-    """Each teacher as an `OpdTeacher`, by its kind's builder (`teacher_builders.BUILDERS`): a
-    snapshot of the actor (same architecture) or a separate model (a provider's, or a Hugging Face
-    directory's of another architecture), wrapped when it keeps its own tokenizer; the actor's own
-    weights are active again afterwards."""
+    """Each teacher as an `OpdTeacher` for slime's actor, its flags checked first
+    (`teacher_builders.load_teachers`: a snapshot of the actor, or a separate model)."""
     check_args(actor.args, settings)
-    student = hf_teachers.student_vocab(actor.args, unwrap(actor.model[-1]).vocab_size)
-    loaded = teacher_builders.load_all(SlimeActor(actor), settings, student)
-    actor._switch_model("actor")
-    if settings.full_vocab:
-        hidden_teachers.check_loaded(SlimeActor(actor), [opd_teacher(teacher) for teacher in loaded])
-    return loaded
+    return teacher_builders.load_teachers(SlimeActor(actor), settings)
 
 
 def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -189,32 +181,18 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
 
 
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
-    """The actor's top-k ids (first, never skipped), then each teacher's scores (`OpdTeacher.score`,
-    in order), stored per sample into the rollout data (`store_scores`; for a union, the first
-    teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask). With pipeline
-    parallelism every stage runs every pass; the rollout data of the last stage only receives the
-    fields (the other stages' training steps read none of them). Every pass runs in the student's
-    invariant mode, resolved once here from its model."""
+    """The step's teachers on slime's actor (`topk_teachers.score_step`: the actor's top-k ids
+    first, then each teacher's scores, or the full vocabulary's hidden states), every pass in the
+    student's invariant mode, resolved once here from its model; on the last stage the scores stored
+    (`store_scores`)."""
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
     invariant = student_invariant(actor.model)  # the teachers' passes follow the student's mode
     teachers = [opd_teacher(teacher) for teacher in getattr(actor, ATTRIBUTE)]
-    for teacher in teachers:  # a served teacher's requests go now, overlapping the student's pass
-        teacher.begin(actor, rollout_data)
-    if settings.full_vocab:  # no ids: each teacher's hidden states and head (`vocab_opd`)
-        hidden_teachers.score_teachers(SlimeActor(actor), rollout_data, teachers, last_stage(),
-                                       functools.partial(topk_pass, invariant=invariant))
-        actor._switch_model("actor")
-        return
-    scored = topk_teachers.score_teachers(SlimeActor(actor), rollout_data, settings, teachers,
-                                          functools.partial(topk_pass, invariant=invariant), invariant=invariant,
-                                          cut_rows=cross_loss.cut)
-    if scored is None:  # no stage had ids: no teacher pass ran
-        return
-    actor._switch_model("actor")
-    step, scores = scored
-    if step.last:
-        store_scores(step, [out for out in scores if out is not None])
+    scored = topk_teachers.score_step(SlimeActor(actor), rollout_data, settings, teachers,
+                                      functools.partial(topk_pass, invariant=invariant), invariant, cross_loss.cut)
+    if scored is not None:
+        store_scores(*scored)
 
 
 def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:

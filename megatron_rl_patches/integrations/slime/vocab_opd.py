@@ -7,7 +7,7 @@ Before slime's `train_actor`, each teacher hands over its final hidden states an
 fields in slime's zigzag rows (`topk_request.TEACHER_HIDDEN`, cut from whole responses per
 context-parallel rank); the fused step places them on the packed rows
 of each micro-batch (the contiguous rows under --allgather-cp) and computes the divergence beside
-slime's log-probs on the response rows only (`vocab_step`); `vocab_opd_loss` averages it per
+slime's log-probs on the response rows only (`fused_context.vocab_processor`); `vocab_opd_loss` averages it per
 sample with slime's `sum_of_sample_mean`."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.megatron.opd.fused_context import DIVERGENCE
 from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
-from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE
 
 
 def vocab_opd_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any, settings: Any) -> tuple[Any, dict]:

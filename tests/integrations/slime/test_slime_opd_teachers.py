@@ -26,9 +26,9 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (  # noqa
     TeacherScores,
     model_teacher,
 )
+from megatron_rl_patches.integrations.megatron.opd.topk_request import STEP_REQUEST  # noqa: E402
 from megatron_rl_patches.integrations.slime import opd  # noqa: E402
 from megatron_rl_patches.integrations.slime.actor import SlimeActor  # noqa: E402
-from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
     lm_head_topk_ids,

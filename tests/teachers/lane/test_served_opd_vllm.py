@@ -21,8 +21,8 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import SeparateT
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_own
 from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, stage_host
 from megatron_rl_patches.integrations.megatron.opd.teacher_builders import BUILDERS
+from megatron_rl_patches.integrations.megatron.opd.topk_request import STEP_REQUEST
 from megatron_rl_patches.integrations.slime import opd
-from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST
 from megatron_rl_patches.ops.topk import log1mexp
 from megatron_rl_patches.teachers import ServedTeacherError
 from megatron_rl_patches.teachers.kinds import parse_entry

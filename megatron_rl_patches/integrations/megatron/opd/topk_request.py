@@ -1,10 +1,15 @@
 """What top-k OPD asks of a pass and writes into the rollout data, for any Megatron host: the
 request a fused model call answers beside the log-probs (`TopkRequest`; `VocabRequest` for
 full-vocabulary OPD) and the per-sample rollout-data keys the teachers fill and the student's
-training step reads (slime's step carries them in its batches: `integrations.slime.fused_step`)."""
+training step reads (slime's step carries them in its batches: `integrations.slime.fused_step`), and
+the request of the student's training step (`training_request`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS, *CROSS_KEYS)
 
 # Full-vocabulary OPD (MEGATRON_RL_PATCHES_OPD_K=vocab, `vocab_opd`): per sample a tuple with each
 # teacher's final hidden states [R, H_j] on this rank's response rows (slime's zigzag rows), and the
-# teachers' output layers (`vocab_step.TeacherHeads`, the same object for every sample: a reference).
+# teachers' output layers (`hidden_teachers.TeacherHeads`, the same object for every sample: a reference).
 TEACHER_HIDDEN, TEACHER_HEADS = "opd_teacher_hidden", "opd_teacher_heads"
 VOCAB_KEYS = (TEACHER_HIDDEN, TEACHER_HEADS)
 # each sample's privileged contexts ({KEY: text or ids}, one per sample), carried to the training ranks
@@ -53,7 +58,7 @@ FIGURES = "opd_teacher_figures"
 
 @dataclass(frozen=True)
 class VocabRequest(TopkRequest):
-    """Full-vocabulary OPD's part of a fused call (`vocab_step`). `hidden`: a teacher's pass giving
+    """Full-vocabulary OPD's part of a fused call (`fused_context.vocab_processor`). `hidden`: a teacher's pass giving
     its final hidden states (its output weight kept once per pass in `captured`); else the training
     step's: the per-token `divergence` between the student and the teachers of the batch's keys,
     mixed with `weights` (None: equal)."""
@@ -62,3 +67,19 @@ class VocabRequest(TopkRequest):
     divergence: str = "reverse_kl"
     weights: tuple[float, ...] | None = None
     captured: list = field(default_factory=list, compare=False, hash=False, repr=False)
+
+
+STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
+UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
+
+
+def training_request(settings: OpdSettings) -> TopkRequest:
+    """The request of the student's training step under top-k OPD's `settings`: the divergence over
+    the whole vocabulary from the teachers' hidden states, or the student scoring the rollout's ids
+    (with their padding mask for a union; with the cross keys for grouped buckets of teachers with
+    another tokenizer)."""
+    if settings.full_vocab:
+        return VocabRequest(keys=VOCAB_KEYS, divergence=settings.divergence, weights=settings.weights)
+    if any(teacher.other_tokenizer for teacher in settings.teachers):
+        return TopkRequest(ids_key=STEP_IDS, mask_key=STEP_MASK, keys=(*UNION_STEP_REQUEST.keys, *CROSS_KEYS))
+    return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST
