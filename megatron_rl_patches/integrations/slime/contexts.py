@@ -18,10 +18,10 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, context_keys
-from megatron_rl_patches.integrations.megatron.opd.step_contexts import METADATA
-from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import carried_keys
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, METADATA
 from megatron_rl_patches.integrations.slime.fused_step import slime_settings
-from megatron_rl_patches.integrations.slime.rollout_scores import carried_keys
+from megatron_rl_patches.model.arguments import argument
 
 
 def carried(data: Mapping, keys: Sequence[str]) -> list[dict]:
@@ -69,7 +69,7 @@ def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     split (`CarriedTokens`), and so do the rows a rollout's served teachers gave; `data`'s tokens
     handed back as they were after it."""
     settings = slime_settings(getattr(instance, "args", None))
-    data = kwargs["data"] if "data" in kwargs else args[0] if args else None
+    data = argument("data", 0, args, kwargs)
     keys = context_keys(settings) + carried_keys(settings, data)
     if not keys or not isinstance(data, MutableMapping) or "tokens" not in data:
         return wrapped(*args, **kwargs)
@@ -85,7 +85,7 @@ def tensorize_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     """wrapt wrapper for `tensorize_rollout_data_for_training(rollout_data)` as slime's rollout
     manager calls it per data-parallel rank: that rank's samples' contexts (carried by their tokens)
     added under `CONTEXTS`, the tokens slime's own again."""
-    rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[0] if args else None
+    rollout_data = argument("rollout_data", 0, args, kwargs)
     tokens = rollout_data.get("tokens") if isinstance(rollout_data, dict) else None
     if isinstance(rollout_data, dict) and isinstance(tokens, list) and \
             any(isinstance(one, CarriedTokens) for one in tokens):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
-from megatron_rl_patches.integrations.megatron.opd.topk_request import TopkRequest, training_request
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import training_request
+from megatron_rl_patches.integrations.megatron.opd.topk_request import TopkRequest
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rl_patches._log import forget_warnings
 from megatron_rl_patches.integrations.megatron.model_chunk import mtp_heads_build_logits
-from megatron_rl_patches.integrations.megatron.opd.topk_request import STEP_REQUEST
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import STEP_REQUEST
 from megatron_rl_patches.integrations.slime import fused as slime_fused
 
 

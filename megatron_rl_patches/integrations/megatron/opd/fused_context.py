@@ -7,7 +7,8 @@ their padding mask) for the top-k processor (`topk_context`; the processor is
 weight's shard (`processors.combined.hidden_pass_processor`), or the training step's log-probs plus
 the per-token divergence between the student and the teachers' mixture over the whole vocabulary
 (`lm_head_divergence` through `divergence_output_processor`, tile by tile: no [T, V] tensor) on the
-response rows only, the teachers' per-sample hidden states placed on the packed rows. The host
+response rows only, the teachers' per-sample hidden states placed on the packed rows. On a host's
+logits path the student's buckets come from its logits (`logits_buckets`). The host
 supplies `positions`, asked where a context needs them: per sample, the local packed rows its slicing
 reads for the response."""
 from __future__ import annotations
@@ -18,9 +19,15 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import TeacherHeads
-from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
+from megatron_rl_patches.integrations.megatron.opd.topk_request import (
+    IDS,
+    IDS_MASK,
+    TEACHER_HEADS,
+    TEACHER_HIDDEN,
+    VocabRequest,
+)
 from megatron_rl_patches.integrations.megatron.opd.zigzag import local_from_zigzag, local_rows
-from megatron_rl_patches.ops.packing import packed_ids, positions_mask
+from megatron_rl_patches.ops.packing import packed_ids, packed_topk_logprobs, positions_mask
 from megatron_rl_patches.processors.combined import hidden_pass_processor, with_divergence
 from megatron_rl_patches.processors.distill import divergence_output_processor
 
@@ -81,3 +88,20 @@ def teacher_context(batch: dict, positions: Positions, length: int,
             states = local_from_zigzag(states, length, batch["total_lengths"], batch["response_lengths"])
         rows.append(packed_ids(states, where, length, dtype=states[0].dtype)[None])
     return heads[0], rows
+
+
+def logits_buckets(rows: torch.Tensor, batch: dict, positions: list[torch.Tensor], allgather_cp: bool,
+                   temperature: float, invariant: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's [1, N, k] log-probs at the batch's ids (`IDS`; padded slots of a union -inf)
+    and [1, N] tails on its response rows (`positions`), from the packed logits `rows` [T, V/tp] by
+    the top-k op over the tensor-parallel group, in the step's `invariant` mode."""
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    group = group if torch.distributed.get_world_size(group) > 1 else None
+    ids, mask = batch[IDS], batch.get(IDS_MASK)
+    if allgather_cp:
+        ids, mask = local_rows(batch, rows.shape[0], ids, mask)
+    logp, tail = packed_topk_logprobs(rows, ids, mask, positions, tp_group=group, temperature=temperature,
+                                      invariant=invariant)
+    return logp[None], tail[None]

@@ -17,13 +17,10 @@ from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     key_tokenizer,
 )
 from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, student_tokenizer_of
-from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, METADATA
 from megatron_rl_patches.ops.agreement import world
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.context.teacher_context import checked_contexts
-
-# the rollout data's key of the samples' train_metadata (a list of dicts, slime's), kept out of its metrics too
-METADATA = "metadata"
 
 MISSING = ("slime_opd: the rollout data reached train_actor without the samples' contexts: run slime's rollout "
            "manager with MEGATRON_RL_PATCHES and {teachers} in the job's runtime_env (not only --train-env-vars), "

@@ -1,15 +1,10 @@
 """What top-k OPD asks of a pass and writes into the rollout data, for any Megatron host: the
 request a fused model call answers beside the log-probs (`TopkRequest`; `VocabRequest` for
 full-vocabulary OPD) and the per-sample rollout-data keys the teachers fill and the student's
-training step reads (slime's step carries them in its batches: `integrations.slime.fused_step`), and
-the request of the student's training step (`training_request`)."""
+training step reads (slime's step carries them in its batches: `integrations.slime.fused_step`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings
 
 
 @dataclass(frozen=True)
@@ -52,8 +47,12 @@ TEACHER_HIDDEN, TEACHER_HEADS = "opd_teacher_hidden", "opd_teacher_heads"
 VOCAB_KEYS = (TEACHER_HIDDEN, TEACHER_HEADS)
 # each sample's privileged contexts ({KEY: text or ids}, one per sample), carried to the training ranks
 CONTEXTS = "megatron_rl_patches_contexts"
+# the rollout data's key of the samples' own train_metadata (a list of dicts, slime's), kept out of its metrics too
+METADATA = "metadata"
 # the train step's served teachers' figures (`served_opd.note_figures`: one dict, on the last stage)
 FIGURES = "opd_teacher_figures"
+# the fields above no framework's metrics may average (ids, masks, [n, R, k] scores, per-sample dicts)
+NOT_METRICS = (*OPD_KEYS, *VOCAB_KEYS, CONTEXTS, METADATA, FIGURES)
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,3 @@ class VocabRequest(TopkRequest):
     weights: tuple[float, ...] | None = None
     captured: list = field(default_factory=list, compare=False, hash=False, repr=False)
 
-
-STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
-UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
-
-
-def training_request(settings: OpdSettings) -> TopkRequest:
-    """The request of the student's training step under top-k OPD's `settings`: the divergence over
-    the whole vocabulary from the teachers' hidden states, or the student scoring the rollout's ids
-    (with their padding mask for a union; with the cross keys for grouped buckets of teachers with
-    another tokenizer)."""
-    if settings.full_vocab:
-        return VocabRequest(keys=VOCAB_KEYS, divergence=settings.divergence, weights=settings.weights)
-    if any(teacher.other_tokenizer for teacher in settings.teachers):
-        return TopkRequest(ids_key=STEP_IDS, mask_key=STEP_MASK, keys=(*UNION_STEP_REQUEST.keys, *CROSS_KEYS))
-    return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST
