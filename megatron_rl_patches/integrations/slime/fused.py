@@ -262,6 +262,7 @@ class FusedModel:
         context: dict = {"row_mask": rows[None]}  # the head on response rows (slime's slicing reads no other)
         if replays_top_p(step.args):  # the rollout's top-p nuclei (the rank's contiguous rows under allgather CP)
             context.update(kept_context(batch, length, tokens.device, allgather_cp) or {})
+
         def positions() -> list:  # top-k OPD's fields at slime's response rows
             return slime_rows.response_positions(batch, length, tokens.device, allgather_cp)
 

@@ -51,6 +51,8 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     TEACHER_LOGPROBS,
     TopkRequest,
 )
+from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS as IDS
+from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS_MASK as IDS_MASK
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
 from megatron_rl_patches.integrations.megatron.step_iterators import carrying
@@ -72,7 +74,7 @@ from megatron_rl_patches.model.chunks import unwrap
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
-# TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module
+# IDS, IDS_MASK, TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests reading them here
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
 
