@@ -40,8 +40,13 @@ class TeacherActor(Protocol):
     `integrations.slime.actor.SlimeActor`): its args, its model chunks, and its snapshots (a
     checkpoint of its architecture kept under a tag: loaded, swapped in, read)."""
 
-    args: Any
-    model: list[Any]
+    @property
+    def args(self) -> Any:
+        """The host's run arguments."""
+
+    @property
+    def model(self) -> list[Any]:
+        """The actor's model chunks as they are now."""
 
     def switch_snapshot(self, tag: str) -> list[Any]:
         """The actor's model chunks with the snapshot `tag` swapped in ("actor": its own weights)."""
