@@ -1,8 +1,9 @@
 """A call's arguments by parameter name, the package's one binder: `bind` (a wrapper reads what the
 framework passed, whatever its order), `adapter_arguments` (an adapter that replaces an installed
-function takes the arguments it knows) and `ArgumentsByName` (a forward hook reads and replaces
-arguments by name, whether passed by position or by keyword, and hands the call on). Standard
-library only: every wrapper of the package uses them, and the patch machinery at start-up."""
+function takes the arguments it knows), `argument` (one argument read without binding the call) and
+`ArgumentsByName` (a forward hook reads and replaces arguments by name, whether passed by position
+or by keyword, and hands the call on). Standard library only: every wrapper of the package uses
+them, and the patch machinery at start-up."""
 from __future__ import annotations
 
 import functools
@@ -42,6 +43,12 @@ def adapter_arguments(adapter: Callable[..., Any], wrapped: Callable[..., Any], 
     foreign = [name for name, value in bound.arguments.items()
                if name not in known and value is not signature.parameters[name].default]
     return {name: value for name, value in bound.arguments.items() if name in known}, foreign
+
+
+def argument(name: str, position: int, args: tuple, kwargs: dict) -> Any:
+    """A wrapped call's argument `name` at `position` (by keyword, else by position; None: not given),
+    where a wrapper reads one argument without binding the call."""
+    return kwargs[name] if name in kwargs else args[position] if len(args) > position else None
 
 
 @functools.cache

@@ -3,7 +3,7 @@ same output layer: the log-prob processor's dict plus the top-k buckets (`with_t
 selection for the ops) or plus a per-token divergence from teachers' hidden states
 (`with_divergence`), and a teacher's pass that hands back its final hidden states and a copy of
 its output weight's shard (`hidden_pass_processor`). Framework-free; slime's fused route
-(`integrations.slime.fused`, `vocab_step`) builds them per micro-batch."""
+(`integrations.slime.fused`, `integrations.megatron.opd.fused_context`) builds them per micro-batch."""
 from __future__ import annotations
 
 from collections.abc import Callable

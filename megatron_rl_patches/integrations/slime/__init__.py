@@ -22,10 +22,11 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 # the teachers with another tokenizer, moved to the cross_tokenizer package (issue 56); the
 # in-process teachers, moved to their megatron-core home (issue 73; slime's host.py: stage_host)
 _HOME = "megatron_rl_patches.integrations.megatron.opd"
-# `step_plan`: the fused step's module, named for what it holds (issue 113)
+# `step_plan`: the fused step's module, named for what it holds (issue 113); `vocab_step`: moved (issue 122)
 _aliases.install(__name__, {"plan": "megatron_rl_patches.integrations.slime.fused_step",
                             "step_plan": "megatron_rl_patches.integrations.slime.fused_step",
                             "cross_teachers": "megatron_rl_patches.cross_tokenizer.teacher_passes",
+                            "vocab_step": f"{_HOME}.fused_context",
                             "host": f"{_HOME}.stage_host", **{name: f"{_HOME}.{name}" for name in (
                                 "actor_spec", "cross_passes", "cross_rollout", "expert_agreement", "hf_teachers",
                                 "layout_role", "layout_role_pass", "layout_teacher", "opd_settings", "opd_teachers",

@@ -20,6 +20,7 @@ from megatron_rl_patches.integrations.megatron.model_chunk import (
     mtp_heads_build_logits,
     schedule_plan_unservable,
 )
+from megatron_rl_patches.integrations.megatron.opd.fused_context import topk_context, vocab_processor
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
@@ -35,8 +36,6 @@ from megatron_rl_patches.integrations.slime.fused_step import (
     step_request,
 )
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
-from megatron_rl_patches.integrations.slime.topk import topk_context
-from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.slime.whole_micro_batch import whole_micro_batch
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.model.arguments import bind
@@ -263,10 +262,15 @@ class FusedModel:
         context: dict = {"row_mask": rows[None]}  # the head on response rows (slime's slicing reads no other)
         if replays_top_p(step.args):  # the rollout's top-p nuclei (the rank's contiguous rows under allgather CP)
             context.update(kept_context(batch, length, tokens.device, allgather_cp) or {})
+
+        def positions() -> list:  # top-k OPD's fields at slime's response rows
+            return slime_rows.response_positions(batch, length, tokens.device, allgather_cp)
+
         if isinstance(step.topk, VocabRequest):  # full-vocabulary OPD: a teacher's hidden states, or the divergence
-            processor = vocab_processor(step.topk, processor, options, batch, length, tokens.device, allgather_cp)
+            processor = vocab_processor(step.topk, processor, options, batch, positions, length, tokens.device,
+                                        allgather_cp)
         elif step.topk is not None:
-            topk_ctx = topk_context(step.topk, batch, length, tokens.device, allgather_cp)
+            topk_ctx = topk_context(step.topk, batch, positions, length, allgather_cp)
             processor = with_topk(processor, step.topk.k, options, topk_ctx, union=step.topk.union)
         out = call(**{**kwargs, "labels": labels[None]}, output_processor=fused_output(processor),
                    output_processor_context=context)

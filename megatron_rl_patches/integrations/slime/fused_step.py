@@ -17,18 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
-from megatron_rl_patches.integrations.megatron.opd.topk_request import (
-    CROSS_KEYS,
-    IDS,
-    IDS_MASK,
-    STEP_IDS,
-    STEP_MASK,
-    TEACHER_LOGPROBS,
-    TEACHER_TAILS,
-    VOCAB_KEYS,
-    TopkRequest,
-    VocabRequest,
-)
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import training_request
+from megatron_rl_patches.integrations.megatron.opd.topk_request import TopkRequest
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
@@ -54,10 +44,6 @@ class FusedStep:
     invariant: bool | None = None
     settings: OpdSettings | None = field(default=None, repr=False)
     prefix: PrefixPass | None = field(default=None, repr=False)
-
-
-STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
-UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
 
 
 # the batch key under which a fused step's `get_batch` hands the loss its `FusedStep`
@@ -121,8 +107,4 @@ def step_request(args: Any, settings: OpdSettings | None) -> TopkRequest | None:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":
         return None
-    if settings.full_vocab:  # the divergence over the whole vocabulary from the teachers' hidden states
-        return VocabRequest(keys=VOCAB_KEYS, divergence=settings.divergence, weights=settings.weights)
-    if any(teacher.other_tokenizer for teacher in settings.teachers):  # grouped buckets: the cross keys
-        return TopkRequest(ids_key=STEP_IDS, mask_key=STEP_MASK, keys=(*UNION_STEP_REQUEST.keys, *CROSS_KEYS))
-    return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST
+    return training_request(settings)  # the student scores the rollout's ids, or the whole vocabulary

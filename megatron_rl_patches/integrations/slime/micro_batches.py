@@ -24,6 +24,7 @@ from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from megatron_rl_patches.integrations.slime.fused_step import held_settings
+from megatron_rl_patches.model.arguments import argument
 from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids
 
 
@@ -50,15 +51,11 @@ class SampleLength(int):
         return counted
 
 
-def _argument(name: str, position: int, args: tuple, kwargs: dict) -> Any:
-    return kwargs[name] if name in kwargs else args[position] if len(args) > position else None
-
-
 def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with shared-prefix
     packing on, the samples' rollout ids slime's schedule is handed hold the rollout's tokens
     (`RolloutIds`); `data`'s own list back after the split."""
-    data = _argument("data", 0, args, kwargs)
+    data = argument("data", 0, args, kwargs)
     sharing = held_settings(getattr(instance, "args", None)).shared_prefix
     if not sharing or not isinstance(data, MutableMapping) or "tokens" not in data or "rollout_ids" not in data:
         return wrapped(*args, **kwargs)
@@ -75,7 +72,7 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     rollout_indices)` as slime's rollout module calls it: rollout ids that hold the rollout's tokens
     (a split's, `RolloutIds`), each length handed on as a `SampleLength` of its sample's tokens."""
     ids = kwargs.get("rollout_indices")
-    lengths = _argument("total_lengths", 2, args, kwargs)
+    lengths = argument("total_lengths", 2, args, kwargs)
     tokens = ids.tokens if isinstance(ids, RolloutIds) else None
     if tokens is None or not isinstance(lengths, Sequence) or len(lengths) != len(tokens):
         return wrapped(*args, **kwargs)
@@ -91,8 +88,8 @@ def first_fit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     """wrapt wrapper for `first_fit_pack(total_lengths, max_tokens_per_bin)` as slime's schedule
     calls it: lengths that know their samples' tokens packed by the tokens the model computes (each
     micro-batch's indices into `total_lengths`, in order); any other lengths as slime packs them."""
-    lengths = _argument("total_lengths", 0, args, kwargs)
-    budget = _argument("max_tokens_per_bin", 1, args, kwargs)
+    lengths = argument("total_lengths", 0, args, kwargs)
+    budget = argument("max_tokens_per_bin", 1, args, kwargs)
     if (not isinstance(lengths, Sequence) or not lengths
             or not all(isinstance(length, SampleLength) and length.tokens is not None for length in lengths)
             or not isinstance(budget, int) or budget < 1):

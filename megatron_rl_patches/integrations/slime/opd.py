@@ -4,20 +4,13 @@ switched on by MEGATRON_RL_PATCHES_OPD_TEACHERS (`opd_settings`) with slime's cu
     --loss-type custom_loss --custom-loss-function-path \
         megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss
 
-Teachers are loaded after the actor's `init`, each by its kind's builder (the entry's kind in the
-table `teachers.kinds.KINDS`, its builder in `teacher_builders.BUILDERS`): same-architecture ones
-the slime way (checkpoints loaded into the actor and kept as host snapshots, swapped in with one
-restore per teacher per step), others as separate inference-only models: `PATH@module:function` by
-`build_inference_model`, a Hugging Face `PATH` whose config.json differs from the actor by
-`build_inference_model_from_hf` (`hf_teachers`). Before slime's
-`train_actor`, the actor's own top-k pass selects the ids, each teacher scores them (exact tail
-bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
-MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
-scores the union with the student's ids ([R, 2k] with a padding mask), which every other model
-scores; with IDS_FROM=teacher the first teacher's own top-k are the ids ([R, k]; a served teacher,
-`served_opd`, gives only these). Nothing [T, V] is built. Every loaded teacher is an
-`opd_teachers.OpdTeacher`: each one's `begin` runs before the student's pass (a served teacher's
-requests go then), and the step's scoring is one loop over them.
+Teachers are loaded after the actor's `init` (`teacher_builders.load_teachers`: same-architecture
+ones as snapshots in slime's TensorBackuper, swapped in with one restore per teacher per step;
+others as separate inference-only models). Before slime's `train_actor` the step's teachers score
+the rollout (`topk_teachers.score_step`: the actor's own top-k pass selects the ids, each teacher
+scores them, [R, k] per sample and teacher, or the ids MEGATRON_RL_PATCHES_OPD_IDS_FROM names:
+`opd_teachers.teacher_requests`; nothing [T, V] is built), for `train_one_step`'s batch. slime
+supplies its actor (`actor.SlimeActor`), its `forward_only` pass (`topk_pass`) and its cut.
 """
 # lazy imports: optional dependency slime
 from __future__ import annotations
@@ -28,13 +21,12 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.megatron.opd import (
-    hf_teachers,
-    hidden_teachers,
     opd_terms,
     teacher_builders,
     topk_teachers,
 )
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import CARRIED, take_rows
+from megatron_rl_patches.integrations.megatron.opd.fused_context import logits_buckets
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
@@ -49,25 +41,24 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
 )
 from megatron_rl_patches.integrations.megatron.opd.served_checks import check_served
 from megatron_rl_patches.integrations.megatron.opd.served_opd import note_figures
-from megatron_rl_patches.integrations.megatron.opd.stage_host import last_stage, pipeline_agrees
+from megatron_rl_patches.integrations.megatron.opd.stage_host import pipeline_agrees
+from megatron_rl_patches.integrations.megatron.opd.step_contexts import step_contexts
 from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CONTEXTS,
     CROSS_RATIO,
     FIGURES,
-    IDS,
-    IDS_MASK,
-    OPD_KEYS,
+    NOT_METRICS,
     TEACHER_LOGPROBS,
-    VOCAB_KEYS,
     TopkRequest,
 )
+from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS as IDS
+from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS_MASK as IDS_MASK
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
-from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
 from megatron_rl_patches.integrations.megatron.step_iterators import carrying
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
-from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
+from megatron_rl_patches.integrations.slime.contexts import check_layouts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.fused_step import (
     FusedStep,
@@ -78,13 +69,12 @@ from megatron_rl_patches.integrations.slime.fused_step import (
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.model.arguments import bind
+from megatron_rl_patches.model.arguments import argument, bind
 from megatron_rl_patches.model.chunks import unwrap
-from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
-# TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module
+# IDS, IDS_MASK, TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests reading them here
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
 
@@ -113,17 +103,10 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
 
 
 def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
-    """Each teacher as an `OpdTeacher`, by its kind's builder (`teacher_builders.BUILDERS`): a
-    snapshot of the actor (same architecture) or a separate model (a provider's, or a Hugging Face
-    directory's of another architecture), wrapped when it keeps its own tokenizer; the actor's own
-    weights are active again afterwards."""
+    """Each teacher as an `OpdTeacher` for slime's actor, its flags checked first
+    (`teacher_builders.load_teachers`: a snapshot of the actor, or a separate model)."""
     check_args(actor.args, settings)
-    student = hf_teachers.student_vocab(actor.args, unwrap(actor.model[-1]).vocab_size)
-    loaded = teacher_builders.load_all(SlimeActor(actor), settings, student)
-    actor._switch_model("actor")
-    if settings.full_vocab:
-        hidden_teachers.check_loaded(SlimeActor(actor), [opd_teacher(teacher) for teacher in loaded])
-    return loaded
+    return teacher_builders.load_teachers(SlimeActor(actor), settings)
 
 
 def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -189,32 +172,18 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
 
 
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
-    """The actor's top-k ids (first, never skipped), then each teacher's scores (`OpdTeacher.score`,
-    in order), stored per sample into the rollout data (`store_scores`; for a union, the first
-    teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask). With pipeline
-    parallelism every stage runs every pass; the rollout data of the last stage only receives the
-    fields (the other stages' training steps read none of them). Every pass runs in the student's
-    invariant mode, resolved once here from its model."""
+    """The step's teachers on slime's actor (`topk_teachers.score_step`: the actor's top-k ids
+    first, then each teacher's scores, or the full vocabulary's hidden states), every pass in the
+    student's invariant mode, resolved once here from its model; on the last stage the scores stored
+    (`store_scores`)."""
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
     invariant = student_invariant(actor.model)  # the teachers' passes follow the student's mode
     teachers = [opd_teacher(teacher) for teacher in getattr(actor, ATTRIBUTE)]
-    for teacher in teachers:  # a served teacher's requests go now, overlapping the student's pass
-        teacher.begin(actor, rollout_data)
-    if settings.full_vocab:  # no ids: each teacher's hidden states and head (`vocab_opd`)
-        hidden_teachers.score_teachers(SlimeActor(actor), rollout_data, teachers, last_stage(),
-                                       functools.partial(topk_pass, invariant=invariant))
-        actor._switch_model("actor")
-        return
-    scored = topk_teachers.score_teachers(SlimeActor(actor), rollout_data, settings, teachers,
-                                          functools.partial(topk_pass, invariant=invariant), invariant=invariant,
-                                          cut_rows=cross_loss.cut)
-    if scored is None:  # no stage had ids: no teacher pass ran
-        return
-    actor._switch_model("actor")
-    step, scores = scored
-    if step.last:
-        store_scores(step, [out for out in scores if out is not None])
+    scored = topk_teachers.score_step(SlimeActor(actor), rollout_data, settings, teachers,
+                                      functools.partial(topk_pass, invariant=invariant), invariant, cross_loss.cut)
+    if scored is not None:
+        store_scores(*scored)
 
 
 def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
@@ -230,7 +199,7 @@ def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: teachers scored first
     (the settings as the actor's `args` hold them, `slime_settings`; its training steps read the same)."""
-    rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[1] if len(args) > 1 else None
+    rollout_data = argument("rollout_data", 1, args, kwargs)
     if isinstance(rollout_data, dict) and hasattr(instance, ATTRIBUTE):
         settings = slime_settings(instance.args)
         if settings is not None:
@@ -252,7 +221,7 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     dicts, which slime would sum). The training steps still read them (the dict itself is unchanged)."""
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
-    keys = (*OPD_KEYS, *VOCAB_KEYS, CONTEXTS, METADATA, CARRIED, FIGURES)
+    keys = (*NOT_METRICS, CARRIED)
     if bound is None or not isinstance(data, dict) or not any(key in data for key in keys):
         return wrapped(*args, **kwargs)
     bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in keys}
@@ -286,18 +255,9 @@ def student_buckets(args: Any, batch: dict, logits: Any,
             raise RuntimeError("slime_opd: the fused step ran without the top-k request; please report this")
         logp, tail = logits["topk_log_probs"], logits["tail"]
     else:
-        from megatron.core import parallel_state  # lazy: import cost: seconds to import (see `_last_stage`)
-
         rows = logits.reshape(-1, logits.shape[-1])
         positions = response_positions(batch, rows.shape[0], rows.device, allgather)
-        group = parallel_state.get_tensor_model_parallel_group()
-        group = group if torch.distributed.get_world_size(group) > 1 else None
-        ids, mask = batch[IDS], batch.get(IDS_MASK)
-        if allgather:
-            ids, mask = local_rows(batch, rows.shape[0], ids, mask)
-        logp, tail = packed_topk_logprobs(rows, ids, mask, positions, tp_group=group,
-                                          temperature=float(args.rollout_temperature), invariant=invariant)
-        logp, tail = logp[None], tail[None]
+        logp, tail = logits_buckets(rows, batch, positions, allgather, float(args.rollout_temperature), invariant)
     # in the rows of slime's per-sample fields (teacher buckets, masks): zigzag ones under --allgather-cp
     return torch.cat(sample_rows(logp, batch, allgather)), torch.cat(sample_rows(tail, batch, allgather))
 

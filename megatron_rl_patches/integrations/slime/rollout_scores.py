@@ -1,31 +1,21 @@
 """slime's served teachers asked as each sample's generation ends (`MEGATRON_RL_PATCHES_OPD_SCORE_AT=
-rollout`; the default, `train`, leaves them to the train step: docs/benchmarks.md, "A served teacher
-off the train step", has the measurement it follows): slime 624b824a applies its rollout sample
-hooks in `generate_and_rm` right after a sample's generation, before its reward; `slime_opd` adds
-`score_sample` to them
-(`hooks_wrapper`, around `apply_rollout_sample_hooks` in slime's rollout module: no flag to
-add; naming it in `--rollout-sample-hook-path` yourself is the same, once). Each sample is sent to
-every served teacher of the student's tokenizer on the top-k route (`RolloutTeachers`, built in the
-rollout manager's process from MEGATRON_RL_PATCHES_OPD_TEACHERS, kept on slime's `args`), with its
+rollout`; the default, `train`, leaves every served teacher to the train step: docs/benchmarks.md,
+"A served teacher off the train step", has the measurement it follows): slime 624b824a applies its
+rollout sample hooks in `generate_and_rm` right after a sample's generation, before its reward;
+`slime_opd` adds `score_sample` to them (`hooks_wrapper`, around `apply_rollout_sample_hooks` in
+slime's rollout module: no flag to add; naming it in `--rollout-sample-hook-path` yourself is the
+same, once). Each sample is sent to the rollout's teachers (`integrations.megatron.opd
+.rollout_teachers`: which are asked there, and why a failure fails the rollout; built in the rollout
+manager's process from MEGATRON_RL_PATCHES_OPD_TEACHERS, kept on slime's `args`), with its
 privileged context from its `train_metadata` where the teacher has `;context=KEY`; the hook awaits
 the answers without blocking the other samples (slime runs each as an asyncio task) and puts the
-rows in the sample's `train_metadata` (`carried_rows`), which slime's split carries to the training
-ranks (`contexts.split_wrapper`); there the teacher step reads them instead of asking (each row's
-digest checked against the batch it would ask for: a sample whose rows are missing or stale is
-asked at the train step). What the rollout's end still waits for is waited there.
-
-A teacher failing during the rollout fails it with the train step's named error, and only teachers
-of the student's tokenizer without a head are asked there (`integrations.megatron.opd
-.rollout_teachers` says why).
-
-`MEGATRON_RL_PATCHES_OPD_SCORE_AT=train` (the default): every served teacher asked by the train
-step, as before.
-The teachers' figures of each rollout go into slime's rollout metrics under `teacher/...`
-(`log_rollout_data_wrapper`)."""
+rows in the sample's `train_metadata` (`carried_rows`: read by the train step instead of asking
+where they still match), which slime's split carries to the training ranks
+(`contexts.split_wrapper`). What the rollout's end still waits for is waited there. The teachers'
+figures of each rollout go into slime's rollout metrics under `teacher/...` (`log_rollout_data_wrapper`)."""
 # lazy imports: optional dependency slime (and httpx, the extra `served`)
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from megatron_rl_patches._log import warn_once
@@ -33,13 +23,11 @@ from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     SCORE_AT,
     TEACHERS,
-    OpdSettings,
     score_at,
 )
 from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
     RolloutTeachers,
     ask_rows,
-    rollout_entries,
 )
 from megatron_rl_patches.integrations.slime.fused_step import slime_settings
 from megatron_rl_patches.model.arguments import bind
@@ -53,17 +41,6 @@ NO_TEACHERS = (f"slime_opd: {SCORE_AT}=rollout is set in slime's rollout manager
                f"scored at the rollout and the train step asks every served teacher; set {TEACHERS} (with {SELECT} "
                f"and the other OPD variables) in the job's runtime_env, which reaches the rollout manager "
                f"(--train-env-vars reaches the training actors only)")
-
-
-def carried_keys(settings: OpdSettings | None, data: Any = None) -> list[str]:
-    """The train_metadata keys slime's split carries for the rollout's rows: none where nothing is
-    asked at the rollout, or (`data`: the rollout manager's training data) no sample holds rows."""
-    if not rollout_entries(settings):
-        return []
-    metadata = data.get("metadata") if isinstance(data, Mapping) else None
-    if data is not None and not any(isinstance(meta, Mapping) and ROWS in meta for meta in metadata or []):
-        return []
-    return [ROWS]
 
 
 def rollout_teachers(args: Any) -> RolloutTeachers | None:

@@ -1,8 +1,6 @@
-"""Top-k buckets on slime's fused route: the top-k processor's context for a micro-batch (the
-per-sample ids of slime's rollout data placed back on its packed rows, `ops.packing.packed_ids`)
-and per-token results cut back to slime's per-sample response slices (`sample_rows`: in the
-rows slime keeps per-sample fields in); the processor itself is
-`processors.combined.with_topk`."""
+"""Top-k buckets on slime's fused route: per-token results cut back to slime's per-sample response
+slices (`sample_rows`: in the rows slime keeps per-sample fields in); the processor's context is
+`integrations.megatron.opd.fused_context.topk_context`'s, at slime's response rows."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
@@ -10,29 +8,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows, zigzag_from_local
+from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_from_local
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.ops.packing import packed_ids
-
-
-def topk_context(request: Any, batch: dict, length: int, device: Any, allgather_cp: bool) -> dict:
-    """The top-k processor's context for a micro-batch: {"ids": [1, T, k]} (and "ids_mask" when the
-    request names one) when the request reads the batch's ids, else {} (the processor selects its own)."""
-    if request.ids_key is None:
-        return {}
-
-    per_sample = batch.get(request.ids_key)
-    if per_sample is None:
-        raise RuntimeError(f"slime_opd: the micro-batch has no {request.ids_key!r}; the actor's top-k pass did not "
-                           "run before this step (apply the slime_opd patch with slime_fused)")
-    positions = response_positions(batch, length, device, allgather_cp)
-    masks = None if request.mask_key is None else batch[request.mask_key]
-    if allgather_cp:
-        per_sample, masks = local_rows(batch, length, per_sample, masks)
-    context = {"ids": packed_ids(per_sample, positions, length)[None]}
-    if masks is not None:
-        context["ids_mask"] = packed_ids(masks, positions, length, dtype=torch.bool)[None]
-    return context
 
 
 def per_sample_rows(values: torch.Tensor, batch: dict, allgather_cp: bool = False) -> list[torch.Tensor]:

@@ -1,14 +1,8 @@
-"""Full-vocabulary OPD in slime (MEGATRON_RL_PATCHES_OPD_K=vocab): the chosen divergence between
-the student and the teachers' mixture over the whole vocabulary, from every model's final hidden
-states through its own output layer (`lm_head_divergence`, tile by tile: no [T, V] tensor).
-
-Before slime's `train_actor`, each teacher hands over its final hidden states and its output layer
-(`integrations.megatron.opd.hidden_teachers`). They reach the training step as per-sample
-fields in slime's zigzag rows (`topk_request.TEACHER_HIDDEN`, cut from whole responses per
-context-parallel rank); the fused step places them on the packed rows
-of each micro-batch (the contiguous rows under --allgather-cp) and computes the divergence beside
-slime's log-probs on the response rows only (`vocab_step`); `vocab_opd_loss` averages it per
-sample with slime's `sum_of_sample_mean`."""
+"""Full-vocabulary OPD's loss in slime (MEGATRON_RL_PATCHES_OPD_K=vocab): the chosen divergence
+between the student and the teachers' mixture over the whole vocabulary, which the fused training
+step computes beside slime's log-probs from the teachers' hidden states and heads
+(`integrations.megatron.opd.hidden_teachers`, `fused_context.vocab_processor`: tile by tile, no
+[T, V] tensor), per sample in slime's zigzag rows, averaged by slime's `sum_of_sample_mean`."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
@@ -16,8 +10,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.megatron.opd.fused_context import DIVERGENCE
 from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
-from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE
 
 
 def vocab_opd_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any, settings: Any) -> tuple[Any, dict]:

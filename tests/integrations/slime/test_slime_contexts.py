@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd.step_contexts import step_contexts
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime import contexts, opd
 from megatron_rl_patches.testing.multirank import run_multirank
@@ -51,20 +52,20 @@ def test_contexts_read_as_ids_and_a_missing_key_named_with_the_sample():
     settings = opd_settings(ENV)
     given = [{"hint": [4, 5]}, {"hint": torch.tensor([6], dtype=torch.int32)}]
     data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], CONTEXTS: given}
-    got = contexts.step_contexts(None, data, settings)
+    got = step_contexts(None, data, settings)
     assert [c["hint"].tolist() for c in got] == [[4, 5], [6]] and got[1]["hint"].dtype == torch.long
     data[CONTEXTS][1] = {"other": [1]}
     data["partition"] = [5, 2]
     missing = r"sample 2 \(rollout index\) has no train_metadata\['hint'\].*holds \['other'\]"
     with pytest.raises(ValueError, match=missing):
-        contexts.step_contexts(None, data, settings)
+        step_contexts(None, data, settings)
     with pytest.raises(ValueError, match="without the samples' contexts.*runtime_env"):
-        contexts.step_contexts(None, {"tokens": [torch.arange(3)], "response_lengths": [2]}, settings)
+        step_contexts(None, {"tokens": [torch.arange(3)], "response_lengths": [2]}, settings)
     with pytest.raises(ValueError, match=r"train_metadata\['hint'\]: .*contexts\[0\] holds id 64, past the teacher's "
                                          "vocabulary of 64"):
-        contexts.step_contexts(None, {**data, CONTEXTS: [{"hint": [64]}, {"hint": [1]}]}, settings, vocab_size=64)
+        step_contexts(None, {**data, CONTEXTS: [{"hint": [64]}, {"hint": [1]}]}, settings, vocab_size=64)
     with pytest.raises(TypeError, match=r"sample 5's train_metadata\['hint'\] must be text or token ids"):
-        contexts.step_contexts(None, {**data, CONTEXTS: [{"hint": 3.5}, {"hint": [1]}]}, settings)
+        step_contexts(None, {**data, CONTEXTS: [{"hint": 3.5}, {"hint": [1]}]}, settings)
 
 
 def rank_missing(rank: int, world_size: int) -> str:
@@ -72,7 +73,7 @@ def rank_missing(rank: int, world_size: int) -> str:
     data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], CONTEXTS: samples,
             "partition": [2 * rank, 2 * rank + 1]}
     try:
-        contexts.step_contexts(None, data, opd_settings(ENV))
+        step_contexts(None, data, opd_settings(ENV))
     except ValueError as error:
         return str(error)
     return "no error"
@@ -114,7 +115,7 @@ def test_text_contexts_tokenized_by_the_students_tokenizer(tmp_path):
     save_word_tokenizer(tmp_path, 16)
     data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2],
             CONTEXTS: [{"hint": "t3 t5 t7"}, {"hint": [2]}]}
-    got = contexts.step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), data, opd_settings(ENV), vocab_size=16)
+    got = step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), data, opd_settings(ENV), vocab_size=16)
     assert [c["hint"].tolist() for c in got] == [[3, 5, 7], [2]]
 
 
@@ -130,11 +131,11 @@ def test_a_bad_text_after_id_contexts_and_an_id_past_int64_name_their_rollout_sa
     base = {"tokens": [torch.arange(3)] * 3, "response_lengths": [2, 2, 2], "partition": [7, 4, 9]}
     for hint, words in (("t3\ud800", r"sample 9's text holds a lone surrogate"), ("", r"sample 9's text is empty")):
         with pytest.raises(ValueError, match=words):
-            contexts.step_contexts(args, {**base, CONTEXTS: [{"hint": [1]}, {"hint": "t2"}, {"hint": hint}]},
+            step_contexts(args, {**base, CONTEXTS: [{"hint": [1]}, {"hint": "t2"}, {"hint": hint}]},
                                    settings, vocab_size=16)
     with pytest.raises(ValueError, match=r"sample 4's train_metadata\['hint'\] holds id 18446744073709551616, past "
                                          "int64"):
-        contexts.step_contexts(args, {**base, CONTEXTS: [{"hint": [1]}, {"hint": [2**64]}, {"hint": [2]}]}, settings)
+        step_contexts(args, {**base, CONTEXTS: [{"hint": [1]}, {"hint": [2**64]}, {"hint": [2]}]}, settings)
 
 
 @pytest.mark.parametrize(("text", "words"), [("", "sample 9's text is empty"),
@@ -155,7 +156,7 @@ def test_a_bad_text_names_the_key_it_came_from_among_two_privileged_teachers(tmp
     good = "hint" if bad == "sol" else "sol"
     given = [{"hint": "t2", "sol": [1]}, {bad: text, good: "t5"}]
     with pytest.raises(ValueError) as error:
-        contexts.step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), {**base, CONTEXTS: given}, settings,
+        step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), {**base, CONTEXTS: given}, settings,
                                vocab_size=16)
     assert f"slime_opd: train_metadata[{bad!r}]: context_ids(texts=...): {words}" in str(error.value), error.value
 
@@ -175,11 +176,11 @@ def test_a_key_of_a_teacher_of_another_tokenizer_is_read_in_its_tokenizer(tmp_pa
     args = SimpleNamespace(hf_checkpoint=str(student))
     data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2],
             CONTEXTS: [{"hint": "t30 t5"}, {"hint": [39, 1]}]}
-    got = contexts.step_contexts(args, data, settings, vocab_size=16)
+    got = step_contexts(args, data, settings, vocab_size=16)
     assert [c["hint"].tolist() for c in got] == [[30, 5], [39, 1]]
     data[CONTEXTS] = [{"hint": "t3"}, {"hint": [40]}]
     with pytest.raises(ValueError, match=r"contexts\[1\] holds id 40, past the teacher's vocabulary of 40"):
-        contexts.step_contexts(args, data, settings, vocab_size=16)
+        step_contexts(args, data, settings, vocab_size=16)
 
 
 @pytest.mark.parametrize("entry", ["/ckpt/teacher;tokenizer=own;context=hint", "/ckpt/teacher;tp=2;context=hint",

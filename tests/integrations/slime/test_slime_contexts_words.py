@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd.step_contexts import step_contexts
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime import contexts
 
@@ -65,7 +66,7 @@ def test_the_wrappers_hand_slime_what_they_cannot_read_untouched(monkeypatch):
 
 def test_slimes_own_metadata_read_where_no_split_carried_the_contexts():
     data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], "metadata": [{"hint": [3, 4]}, {"hint": [5]}]}
-    got = contexts.step_contexts(None, data, opd_settings(ENV))
+    got = step_contexts(None, data, opd_settings(ENV))
     assert [one["hint"].tolist() for one in got] == [[3, 4], [5]]
 
 
@@ -74,7 +75,7 @@ def test_a_context_of_another_kind_refused_whole_with_slimes_name():
     with pytest.raises(TypeError, match=whole(
             "slime_opd: sample 0's train_metadata['hint'] must be text or token ids (a 1-D integer list, array or "
             "tensor), got float")):
-        contexts.step_contexts(None, data, opd_settings(ENV))
+        step_contexts(None, data, opd_settings(ENV))
 
 
 def test_the_allgather_cp_refusal_matched_whole():
@@ -104,4 +105,4 @@ def test_a_missing_context_agreed_over_the_job_says_what_failed_where(one_rank_w
             "slime_opd: the privileged contexts failed on rank 0: ValueError: slime_opd: sample 0 (rollout index) has "
             "no train_metadata['hint'] for the teacher(s) ['http://127.0.0.1:9'] with ';context=hint' (its "
             "train_metadata holds ['other']): fill it for every sample in the rollout's generate function")):
-        contexts.step_contexts(None, data, opd_settings(ENV))
+        step_contexts(None, data, opd_settings(ENV))

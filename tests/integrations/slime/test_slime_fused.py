@@ -11,6 +11,7 @@ import torch
 
 from megatron_rl_patches._log import forget_warnings
 from megatron_rl_patches.integrations.megatron.model_chunk import mtp_heads_build_logits
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import STEP_REQUEST
 from megatron_rl_patches.integrations.slime import fused as slime_fused
 
 
@@ -249,7 +250,7 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
     import threading
 
     from megatron_rl_patches.integrations.slime import fused_step
-    from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST, fused_step_in
+    from megatron_rl_patches.integrations.slime.fused_step import fused_step_in
 
     parsed = []
     monkeypatch.setattr(fused_step, "opd_settings", lambda: parsed.append(1) or "settings")
@@ -343,7 +344,6 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     from megatron.core.packed_seq_params import PackedSeqParams
 
     import megatron_rl_patches
-    from megatron_rl_patches.integrations.slime import fused_step as slime_plan
     from megatron_rl_patches.integrations.slime import rows
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # as slime's lane runs megatron-core 0.16
@@ -358,7 +358,7 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     torch.manual_seed(3)  # stage 0 of a 2-stage pipeline: no output layer, thd input as slime packs it
     stage0 = GPTModel(config=megatron_cpu.config(), transformer_layer_spec=packed_gpt_spec(), vocab_size=64,
                       max_sequence_length=length, position_embedding_type="rope", post_process=False)
-    request = slime_plan.STEP_REQUEST if topk else None
+    request = STEP_REQUEST if topk else None
     plan = slime_fused.FusedStep(_args(allgather_cp=False), True, False, request, batch={"tokens": None})
     cu = torch.tensor([0, length], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.megatron.opd import teacher_builders
+from megatron_rl_patches.integrations.megatron.opd import opd_teachers, teacher_builders
 from megatron_rl_patches.integrations.megatron.opd import topk_request as keys
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, Teacher, opd_settings
 from megatron_rl_patches.integrations.slime import fused_step as plan
@@ -115,16 +115,16 @@ def test_step_request_only_with_teachers_and_this_loss(monkeypatch):
     monkeypatch.delenv(P + "TEACHERS", raising=False)
     assert request(_args()) is None
     monkeypatch.setenv(P + "TEACHERS", "/a")
-    assert request(_args()) is plan.STEP_REQUEST
+    assert request(_args()) is opd_teachers.STEP_REQUEST
     assert request(_args(custom_loss_function_path="x.y")) is None
     new_path = "megatron_rl_patches.integrations.slime.opd.topk_opd_policy_loss"
-    assert request(_args(custom_loss_function_path=new_path)) is plan.STEP_REQUEST
+    assert request(_args(custom_loss_function_path=new_path)) is opd_teachers.STEP_REQUEST
     monkeypatch.setenv(P + "IDS_FROM", "union")
     union = request(_args())
-    assert union is plan.UNION_STEP_REQUEST and union.mask_key == keys.IDS_MASK
+    assert union is opd_teachers.UNION_STEP_REQUEST and union.mask_key == keys.IDS_MASK
     assert keys.IDS_MASK in union.keys
     monkeypatch.setenv(P + "IDS_FROM", "teacher")  # the first teacher's own top-k: [R, k], no padding
-    assert request(_args()) is plan.STEP_REQUEST
+    assert request(_args()) is opd_teachers.STEP_REQUEST
 
 
 class _Actor:

@@ -11,8 +11,8 @@ import pickle
 import pytest
 import torch
 
+from megatron_rl_patches.integrations.megatron.opd import opd_teachers
 from megatron_rl_patches.integrations.megatron.opd import topk_request as keys
-from megatron_rl_patches.integrations.slime import fused_step as plan
 
 RESPONSES, K, TEACHERS = (3, 5), 4, 2
 
@@ -75,6 +75,6 @@ def test_the_opd_fields_survive_the_debug_dump_and_the_micro_batches(metrics):
     for key in (key for key in keys.OPD_KEYS if key not in keys.CROSS_KEYS):  # no teacher of another tokenizer
         assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(restored[key], data[key]))
     micro_batch = [1]
-    fetched = {key: [data[key][i] for i in micro_batch] for key in plan.UNION_STEP_REQUEST.keys}
+    fetched = {key: [data[key][i] for i in micro_batch] for key in opd_teachers.UNION_STEP_REQUEST.keys}
     assert [tuple(t.shape) for t in fetched[keys.TEACHER_LOGPROBS]] == [(TEACHERS, RESPONSES[1], 2 * K)]
     assert fetched[keys.IDS][0].dtype == torch.int64 and fetched[keys.IDS_MASK][0].dtype == torch.bool

@@ -19,6 +19,7 @@ from megatron_rl_patches.integrations.megatron.opd import cross_passes
 from megatron_rl_patches.integrations.megatron.opd.cross_rollout import teacher_rollout  # noqa: E402
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import Teacher, opd_settings  # noqa: E402
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (  # noqa: E402
+    STEP_REQUEST,  # noqa: E402
     PassTeacher,
     ScoringStep,
     SeparateTeacher,
@@ -28,7 +29,6 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (  # noqa
 )
 from megatron_rl_patches.integrations.slime import opd  # noqa: E402
 from megatron_rl_patches.integrations.slime.actor import SlimeActor  # noqa: E402
-from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
     lm_head_topk_ids,

@@ -87,12 +87,12 @@ def test_the_setting_and_the_entries_it_takes(teachers_at):
     from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     teachers_at("http://127.0.0.1:9")
-    assert len(rollout_scores.rollout_entries(opd_settings())) == 1
-    assert rollout_scores.carried_keys(opd_settings()) == [ROWS]
+    assert len(rollout_teachers.rollout_entries(opd_settings())) == 1
+    assert rollout_teachers.carried_keys(opd_settings()) == [ROWS]
     for where in ("train", None):  # None: unset, the default (train)
         teachers_at("http://127.0.0.1:9", where=where)
-        assert rollout_scores.rollout_entries(opd_settings()) == [] and \
-            rollout_scores.carried_keys(opd_settings()) == []
+        assert rollout_teachers.rollout_entries(opd_settings()) == [] and \
+            rollout_teachers.carried_keys(opd_settings()) == []
         assert rollout_scores.rollout_teachers(slime_args()) is None
 
 

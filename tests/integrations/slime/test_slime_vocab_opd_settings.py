@@ -94,8 +94,8 @@ def test_a_separate_teacher_padded_otherwise_is_refused_at_load():
 
 
 def test_a_training_step_without_the_teachers_fields_is_a_clear_error():
-    from megatron_rl_patches.integrations.slime.vocab_step import NOT_SCORED, vocab_processor
+    from megatron_rl_patches.integrations.megatron.opd.fused_context import NOT_SCORED, vocab_processor
 
     with pytest.raises(RuntimeError, match="found no teacher hidden states") as error:
-        vocab_processor(VocabRequest(), lambda **_: {}, {"temperature": 1.0}, {"tokens": [1]}, 4, "cpu", False)
+        vocab_processor(VocabRequest(), lambda **_: {}, {"temperature": 1.0}, {"tokens": [1]}, list, 4, "cpu", False)
     assert str(error.value) == NOT_SCORED

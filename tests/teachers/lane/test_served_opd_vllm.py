@@ -17,12 +17,11 @@ import torch
 from megatron_rl_patches import topk_kl
 from megatron_rl_patches.integrations.megatron.opd import served_opd
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings, opd_settings
-from megatron_rl_patches.integrations.megatron.opd.opd_teachers import SeparateTeacher
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import STEP_REQUEST, SeparateTeacher
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_own
 from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, stage_host
 from megatron_rl_patches.integrations.megatron.opd.teacher_builders import BUILDERS
 from megatron_rl_patches.integrations.slime import opd
-from megatron_rl_patches.integrations.slime.fused_step import STEP_REQUEST
 from megatron_rl_patches.ops.topk import log1mexp
 from megatron_rl_patches.teachers import ServedTeacherError
 from megatron_rl_patches.teachers.kinds import parse_entry

@@ -19,7 +19,18 @@ from typing import Any, Protocol
 import torch
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings
-from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS, IDS_MASK, TopkRequest
+from megatron_rl_patches.integrations.megatron.opd.topk_request import (
+    CROSS_KEYS,
+    IDS,
+    IDS_MASK,
+    STEP_IDS,
+    STEP_MASK,
+    TEACHER_LOGPROBS,
+    TEACHER_TAILS,
+    VOCAB_KEYS,
+    TopkRequest,
+    VocabRequest,
+)
 from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.scores import TeacherScores
 
@@ -29,8 +40,13 @@ class TeacherActor(Protocol):
     `integrations.slime.actor.SlimeActor`): its args, its model chunks, and its snapshots (a
     checkpoint of its architecture kept under a tag: loaded, swapped in, read)."""
 
-    args: Any
-    model: list[Any]
+    @property
+    def args(self) -> Any:
+        """The host's run arguments."""
+
+    @property
+    def model(self) -> list[Any]:
+        """The actor's model chunks as they are now."""
 
     def switch_snapshot(self, tag: str) -> list[Any]:
         """The actor's model chunks with the snapshot `tag` swapped in ("actor": its own weights)."""
@@ -57,6 +73,22 @@ def teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
     if settings.ids_from == "teacher":
         return TopkRequest(k=settings.top_k), scoring
     return scoring, scoring
+
+
+STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
+UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
+
+
+def training_request(settings: OpdSettings) -> TopkRequest:
+    """The request of the student's training step under top-k OPD's `settings`: the divergence over
+    the whole vocabulary from the teachers' hidden states, or the student scoring the rollout's ids
+    (with their padding mask for a union; with the cross keys for grouped buckets of teachers with
+    another tokenizer)."""
+    if settings.full_vocab:
+        return VocabRequest(keys=VOCAB_KEYS, divergence=settings.divergence, weights=settings.weights)
+    if any(teacher.other_tokenizer for teacher in settings.teachers):
+        return TopkRequest(ids_key=STEP_IDS, mask_key=STEP_MASK, keys=(*UNION_STEP_REQUEST.keys, *CROSS_KEYS))
+    return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST
 
 
 @dataclass

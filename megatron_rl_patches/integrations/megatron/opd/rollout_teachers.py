@@ -20,10 +20,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rl_patches.integrations.megatron.opd.carried_rows import packed, teacher_key
+from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS, packed, teacher_key
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import SCORE_AT as SCORE_AT  # the setting's name
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import score_at as score_at  # its one parser
+from megatron_rl_patches.integrations.megatron.opd.topk_request import METADATA
 from megatron_rl_patches.teachers.entry import SERVED
 
 
@@ -33,6 +34,18 @@ def rollout_entries(settings: OpdSettings | None) -> list[Any]:
     if settings is None or settings.full_vocab or settings.score_at != "rollout":
         return []
     return [t for t in settings.teachers if t.kind == SERVED and t.head is None and t.tokenizer is None]
+
+
+def carried_keys(settings: OpdSettings | None, data: Any = None) -> list[str]:
+    """The train_metadata keys a host's split carries for the rollout's rows (`ROWS`): none where
+    nothing is asked at the rollout, or (`data`: the rollout's training data, its per-sample
+    `METADATA`) no sample holds rows."""
+    if not rollout_entries(settings):
+        return []
+    metadata = data.get(METADATA) if isinstance(data, Mapping) else None
+    if data is not None and not any(isinstance(meta, Mapping) and ROWS in meta for meta in metadata or []):
+        return []
+    return [ROWS]
 
 
 class RolloutTeachers:

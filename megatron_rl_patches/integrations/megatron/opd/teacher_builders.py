@@ -32,7 +32,7 @@ from typing import Any
 
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference import build_inference_model
-from megatron_rl_patches.integrations.megatron.opd import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.megatron.opd import cross_passes, hf_teachers, hidden_teachers
 from megatron_rl_patches.integrations.megatron.opd.layout_teacher import (
     build_layout_teacher,
     check_layout_teachers,
@@ -49,7 +49,9 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     OpdTeacher,
     SeparateTeacher,
     SnapshotTeacher,
+    TeacherActor,
     model_teacher,
+    opd_teacher,
 )
 from megatron_rl_patches.integrations.megatron.opd.privileged import PrivilegedTeacher, StudentChunksPass
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import build_served_teacher
@@ -201,3 +203,15 @@ def given_context(loaded: Any, teacher: Teacher) -> OpdTeacher:
         return dataclasses.replace(loaded, context=teacher.context)
     return PrivilegedTeacher(model_teacher(loaded), teacher.context)
 
+
+def load_teachers(actor: TeacherActor, settings: OpdSettings) -> list[OpdTeacher]:
+    """Every teacher of `settings` for the host's `actor` (`load_all`; the student's vocabulary
+    from its Hugging Face directory, else its model's), the actor's own weights active again
+    afterwards; under the full vocabulary each teacher's output layer checked against the
+    student's (`hidden_teachers.check_loaded`)."""
+    student = hf_teachers.student_vocab(actor.args, unwrap(actor.model[-1]).vocab_size)
+    loaded = load_all(actor, settings, student)
+    actor.switch_snapshot("actor")
+    if settings.full_vocab:
+        hidden_teachers.check_loaded(actor, [opd_teacher(teacher) for teacher in loaded])
+    return loaded

@@ -42,18 +42,22 @@ OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS, *CROSS_KEYS)
 
 # Full-vocabulary OPD (MEGATRON_RL_PATCHES_OPD_K=vocab, `vocab_opd`): per sample a tuple with each
 # teacher's final hidden states [R, H_j] on this rank's response rows (slime's zigzag rows), and the
-# teachers' output layers (`vocab_step.TeacherHeads`, the same object for every sample: a reference).
+# teachers' output layers (`hidden_teachers.TeacherHeads`, the same object for every sample: a reference).
 TEACHER_HIDDEN, TEACHER_HEADS = "opd_teacher_hidden", "opd_teacher_heads"
 VOCAB_KEYS = (TEACHER_HIDDEN, TEACHER_HEADS)
 # each sample's privileged contexts ({KEY: text or ids}, one per sample), carried to the training ranks
 CONTEXTS = "megatron_rl_patches_contexts"
+# the rollout data's key of the samples' own train_metadata (a list of dicts, slime's), kept out of its metrics too
+METADATA = "metadata"
 # the train step's served teachers' figures (`served_opd.note_figures`: one dict, on the last stage)
 FIGURES = "opd_teacher_figures"
+# the fields above no framework's metrics may average (ids, masks, [n, R, k] scores, per-sample dicts)
+NOT_METRICS = (*OPD_KEYS, *VOCAB_KEYS, CONTEXTS, METADATA, FIGURES)
 
 
 @dataclass(frozen=True)
 class VocabRequest(TopkRequest):
-    """Full-vocabulary OPD's part of a fused call (`vocab_step`). `hidden`: a teacher's pass giving
+    """Full-vocabulary OPD's part of a fused call (`fused_context.vocab_processor`). `hidden`: a teacher's pass giving
     its final hidden states (its output weight kept once per pass in `captured`); else the training
     step's: the per-token `divergence` between the student and the teachers of the batch's keys,
     mixed with `weights` (None: equal)."""
@@ -62,3 +66,4 @@ class VocabRequest(TopkRequest):
     divergence: str = "reverse_kl"
     weights: tuple[float, ...] | None = None
     captured: list = field(default_factory=list, compare=False, hash=False, repr=False)
+

@@ -5,8 +5,9 @@ every pipeline stage), and on the last stage `store_scores` puts what they retur
 data's per-sample fields (`topk_request`'s keys) by what the scores carry: those over the step's
 ids stacked per sample as [n, R, k] / [n, R], grouped buckets (a teacher with another tokenizer)
 with the step's ids and their own (`place`), cut to this context-parallel rank's rows as the host
-keeps per-sample fields (`ScoringStep.cut`). The host supplies its actor (`TeacherActor`), its
-pass over the rollout and its cut (slime: `integrations.slime.opd`)."""
+keeps per-sample fields (`ScoringStep.cut`). `score_step` runs a step's teachers either way (top-k
+or the full vocabulary's hidden states). The host supplies its actor (`TeacherActor`), its pass over
+the rollout and its cut (slime: `integrations.slime.opd`)."""
 # lazy imports: optional dependency megatron-core (through stage_host's agreement)
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.opd import step_repeats
+from megatron_rl_patches.integrations.megatron.opd import hidden_teachers, step_repeats
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings
-from megatron_rl_patches.integrations.megatron.opd.opd_teachers import OpdTeacher, ScoringStep, TopkPass
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import OpdTeacher, ScoringStep, TeacherActor, TopkPass
 from megatron_rl_patches.integrations.megatron.opd.stage_host import last_stage, pipeline_agrees
 from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CROSS_ALIVE,
@@ -37,6 +38,28 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 Cut = Callable[[list[torch.Tensor], dict], list[torch.Tensor]]
+
+
+def score_step(actor: TeacherActor, rollout_data: dict, settings: OpdSettings, teachers: list[OpdTeacher],
+               passes: TopkPass, invariant: bool | None = None,
+               cut_rows: Cut | None = None) -> tuple[ScoringStep, list[TeacherScores]] | None:
+    """One step's teachers: each one's `begin` first (a served teacher's requests go then,
+    overlapping the student's pass), then the full vocabulary's hidden states and heads, stored by
+    `hidden_teachers.score_teachers` (None), or the top-k ids and every teacher's scores
+    (`score_teachers`): the step and its scores to store on the last stage (None elsewhere, and
+    where no stage had ids). The actor's own weights are active again after any teacher's pass."""
+    for teacher in teachers:
+        teacher.begin(actor, rollout_data)
+    if settings.full_vocab:  # no ids: each teacher's hidden states and head (`vocab_opd`)
+        hidden_teachers.score_teachers(actor, rollout_data, teachers, last_stage(), passes)
+        actor.switch_snapshot("actor")
+        return None
+    scored = score_teachers(actor, rollout_data, settings, teachers, passes, invariant=invariant, cut_rows=cut_rows)
+    if scored is None:  # no stage had ids: no teacher pass ran
+        return None
+    actor.switch_snapshot("actor")
+    step, scores = scored
+    return (step, [out for out in scores if out is not None]) if step.last else None
 
 
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings, teachers: list[OpdTeacher],
