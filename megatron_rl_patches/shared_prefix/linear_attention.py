@@ -25,16 +25,25 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl_patches.shared_prefix.context_parallel import Share, gathered_stream
-from megatron_rl_patches.shared_prefix.gated_delta_net import Segment, segment_convolution, segment_recurrence
+from megatron_rl_patches.shared_prefix.gated_delta_net import (
+    NO_HELD,
+    HeldStates,
+    Segment,
+    segment_convolution,
+    segment_recurrence,
+)
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 from megatron_rl_patches.shared_prefix.prepared import Prepared
 
 
 @dataclass(frozen=True)
 class PlannedStream:
-    """What the layer hands its convolution and recurrence in place of cu_seqlens under a plan."""
+    """What the layer hands its convolution and recurrence in place of cu_seqlens under a plan: its
+    segments, and under a step's plan the layer's held states (the window and final state each held
+    segment handed on, and those its own segments hand on)."""
 
     segments: tuple[Segment, ...]
+    held: HeldStates = NO_HELD
 
 
 class PlannedRule:
@@ -56,7 +65,7 @@ class PlannedRule:
             raise ValueError(f"shared prefix: a gated delta net layer called its kernel with {sorted(kwargs)}, which "
                              "a plan does not run")
         out = segment_recurrence(self.rule, query, key, value, g, beta, cu_seqlens.segments,
-                                 use_qk_l2norm_in_kernel=l2)
+                                 use_qk_l2norm_in_kernel=l2, held=cu_seqlens.held)
         return out, None
 
 
@@ -81,7 +90,7 @@ def planned_convolution_class(cls: Any) -> type:
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"shared prefix: a short convolution with activation {activation!r} (a plan runs silu "
                              "or none)")
-        mixed = segment_convolution(self, x[0], stream.segments)
+        mixed = segment_convolution(self, x[0], stream.segments, stream.held)
         return (mixed if activation is None else F.silu(mixed))[None].to(x.dtype), None
 
     return type(f"SharedPrefix{cls.__name__}", (cls, PlannedShortConvolution),

@@ -27,7 +27,12 @@ import torch
 
 from megatron_rl_patches.model.kinds import qualified_name
 from megatron_rl_patches.shared_prefix.context_parallel import module_share
-from megatron_rl_patches.shared_prefix.gated_delta_net import PlannedGatedDeltaNet, checked_segments, plan_segments
+from megatron_rl_patches.shared_prefix.gated_delta_net import (
+    HeldStates,
+    PlannedGatedDeltaNet,
+    checked_segments,
+    plan_segments,
+)
 from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, loaded_class, owner
 from megatron_rl_patches.shared_prefix.linear_attention import (
     PlannedStream,
@@ -83,7 +88,7 @@ def planned_layer_class(cls: Any) -> type:
         if batch != 1:
             raise ValueError(f"shared prefix: a plan's stream is one batch row, slime's gated delta net got {batch}")
         segments = checked_segments(plan_segments(plan), rows)
-        return cls.hf_forward(self, hidden_states, StreamParams(PlannedStream(segments)))
+        return cls.hf_forward(self, hidden_states, StreamParams(PlannedStream(segments, HeldStates(plan, self))))
 
     signature = inspect.signature(cls.forward)
 

@@ -10,8 +10,7 @@ from megatron_rl_patches.shared_prefix.kinds.kind import Continuation, RefusedBy
 # the layers by their hf_forward (`is_slime_gated_delta_net`); their linear attention and its convolution by these
 SLIME_GATED_DELTA_NET = SlimeGatedDeltaNet("slime's gated delta net layer", classes=(
     "slime_plugins.models.qwen3_5:Qwen3_5GatedDeltaNet", "slime_plugins.models.qwen3_next:Qwen3NextGatedDeltaNet",
-    "fla.modules:ShortConvolution"), continuation=Continuation(along_rows=True, held_reason=(
-        "slime's gated delta net layer: it does not hand a held segment's state on yet")))
+    "fla.modules:ShortConvolution"), continuation=Continuation(along_rows=True))
 GLM5_SPARSE_ATTENTION = RefusedByName(
     "slime's GLM-5 DSA layer (its indexer and sparse MLA are tilelang CUDA kernels taking one contiguous key range "
     "[start, end) per query from cu_seqlens, where a planned row sees its ancestors' rows and its own)",

@@ -180,10 +180,65 @@ def planned_and_packed(rank: int, world_size: int, root: str, sequence_parallel:
             # sequence parallelism: these parameters' gradients are each rank's share of their rows
             results["split_rows"] = sorted(name for name, p in model.named_parameters()
                                            if getattr(p, "sequence_parallel", False))
+            if world_size == 1:
+                results["held"] = held_against_packed(model)
             out[kind] = results
     if world_size == 2:  # the same world again at CP = 2 (TP = 1)
         out["cp2"] = planned_at_context_parallelism(rank, world_size, root)
     return out
+
+
+def held_against_packed(model: Any) -> dict[str, Any]:
+    """A step's sharing plan on slime's hybrid (one rank): a prompt of 70 rows (across the recurrence's
+    64-row chunk) and one of 2 (shorter than the convolution's window) cut over three micro-batches,
+    the held segments' windows and states handed on by slime's layer, against each micro-batch packed
+    whole as slime packs it: the largest relative error of the log-probs and of any gradient, whether
+    every held segment was released, the tokens embedded both ways. The recurrence token by token: the
+    chunked one rounds a gradient to 4e-4 of its scale where a held segment moves its chunks' starts."""
+    import slime_fla_cpu
+    from kit.shared_prefix import objective, ordinary, scores, step_batches
+
+    from megatron_rl_patches.shared_prefix import (
+        check_shared_prefix_step,
+        plan_shared_prefix_step,
+        shared_prefix_params,
+    )
+    from megatron_rl_patches.testing.compare import collect_grads, relative_error
+
+    check_shared_prefix_step(model, training=True)  # slime's layer hands a held segment on
+    gen = torch.Generator().manual_seed(11)
+    draw = lambda n: torch.randint(0, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
+    long, short = draw(70), draw(2)
+    sequences = [long + draw(n) for n in (5, 1, 3)] + [short + draw(n) for n in (6, 4)] + [draw(9)]
+    batches = step_batches(sequences, [[0, 3], [1, 4, 5], [2]], padding=0)
+    step = plan_shared_prefix_step([(b.tokens, b.cu_seqlens) for b in batches], samples=[b.samples for b in batches],
+                                   max_tokens=40)
+
+    def trained(run: Any) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[int]]:
+        model.zero_grad(set_to_none=True)
+        embedded: list[int] = []
+        hook = model.embedding.register_forward_pre_hook(
+            lambda module, args, kwargs: embedded.append(int(kwargs.get("input_ids", args[0] if args else None)
+                                                             .numel())), with_kwargs=True)
+        out = []
+        for index, batch in enumerate(batches):
+            log_probs, entropy = scores(run(index, batch), batch)
+            objective(log_probs, entropy, seed=index).backward()
+            out.append(log_probs.detach())
+        hook.remove()
+        return out, collect_grads(model), embedded
+
+    slime_fla_cpu.install("token")
+    try:
+        want, want_grads, packed = trained(lambda index, batch: ordinary(model, batch))
+        got, grads, held = trained(lambda index, batch: model(
+            batch.tokens, None, None, packed_seq_params=shared_prefix_params(step.plans[index])))
+    finally:
+        slime_fla_cpu.install("chunk")
+    return {"log_probs": max(relative_error(g, w) for g, w in zip(got, want)),
+            "grads": max(relative_error(grads[name], w) for name, w in want_grads.items()),
+            "released": not step.store.values, "held_tokens": step.stats.held_tokens,
+            "embedded": (sum(held), sum(packed))}
 
 
 def grpo_rollouts() -> list[dict]:

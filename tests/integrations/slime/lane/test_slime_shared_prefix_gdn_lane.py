@@ -62,6 +62,18 @@ def _gradients(ranks: list[dict], kind: str, route: str) -> list[dict[str, torch
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_slimes_gated_delta_net_holds_a_segment_across_a_steps_micro_batches(slime_cpu, layer_runs, kind):
+    """A step's sharing plan (one rank): slime's layer hands each held segment's convolution window and
+    recurrence state on; every micro-batch against itself packed whole as slime packs it."""
+    if len(layer_runs) > 1:
+        pytest.skip("checked at one rank")
+    held = layer_runs[0][kind]["held"]
+    assert held["log_probs"] <= TOL and held["grads"] <= GRAD_TOL, held
+    assert held["released"] and held["held_tokens"] >= 70
+    assert held["embedded"][0] < held["embedded"][1]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_slimes_gated_delta_net_planned_equals_packed_whole(slime_cpu, layer_runs, kind):
     for rank, packed_grads, planned_grads in zip(layer_runs, _gradients(layer_runs, kind, "packed"),
                                                  _gradients(layer_runs, kind, "planned")):
