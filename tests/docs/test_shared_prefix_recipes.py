@@ -1,8 +1,8 @@
 """docs/recipes.md's shared-prefix blocks as a new user pastes them (issue 119 item 6: the page had
 no MEGATRON_RL_PATCHES_SHARED_PREFIX at all): one block per framework, each turning the patches and
 the setting on where that framework's workers read them (slime: the job's runtime_env, which its
-rollout manager reads, and --train-env-vars; verl: every Ray actor's runtime_env; NeMo-RL: the job's
-runtime_env, which its driver hands its workers), with the framework's setting the sharing plan
+rollout manager reads, and --train-env-vars; verl: every Ray actor's runtime_env; NeMo-RL: the
+driver's environment, which it hands its workers), with the framework's setting the sharing plan
 needs (slime's dropout and MLA's unfused RoPE, verl's packed layout, NeMo-RL's sequence packing).
 slime's flags are parsed by slime's own parser in the slime lane
 (tests/integrations/slime/lane/test_slime_shared_prefix_recipe_lane.py); verl's keys are found in
@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from doc_blocks import REPO  # noqa: E402
-from doc_recipes import SHARED_PREFIX, after_dashes, overrides, runtime_env, section_blocks, slime_job  # noqa: E402
+from doc_recipes import SHARED_PREFIX, overrides, section_blocks, slime_job  # noqa: E402
 from doc_servers import commands  # noqa: E402
 
 from megatron_rl_patches.settings import SELECT, shared_prefix_setting  # noqa: E402
@@ -101,10 +101,13 @@ def test_nemo_rls_job_sets_both_variables_and_sequence_packing():
     from megatron_rl_patches.integrations import default_registry
 
     (command,) = commands(block("NeMo-RL"))
-    assert on(runtime_env(command)) and "nemo_rl_shared_prefix" in default_registry().patch_names()
-    argv = after_dashes(command)
-    assert argv[:4] == ["python", "examples/run_grpo.py", "--config", "examples/configs/grpo_math_1B_megatron.yaml"]
-    assert overrides(argv[4:]) == {"policy.sequence_packing.enabled": "True"}
+    words = [w for w in shlex.split(command) if w != "..."]
+    start = words.index("uv")
+    assert on(dict(w.split("=", 1) for w in words[:start]))  # the driver's, which NeMo-RL hands every worker
+    assert "nemo_rl_shared_prefix" in default_registry().patch_names()
+    argv = words[start:]
+    assert argv[:5] == ["uv", "run", "examples/run_grpo.py", "--config", "examples/configs/grpo_math_1B_megatron.yaml"]
+    assert overrides(argv[5:]) == {"policy.sequence_packing.enabled": "True"}
     assert "`policy.megatron_cfg.apply_rope_fusion=False`" in " ".join(
         (REPO / "docs" / "recipes.md").read_text(encoding="utf-8").split("### NeMo-RL: a group's prompt once", 1)[1]
         .split("```", 1)[0].split())
