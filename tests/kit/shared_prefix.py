@@ -73,6 +73,12 @@ def _packed(sequences: list[list[int]], padding: int, draw: Any) -> PackedBatch:
                        rows=torch.arange(len(flat)))
 
 
+def packed_batch(sequences: list[list[int]], padding: int = 0, vocab: int = 64, seed: int = 0) -> PackedBatch:
+    """`sequences` packed as given (each a sample), then `padding` rows of random ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return _packed(sequences, padding, lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist())
+
+
 def tree_batch(system: int = 24, turns: tuple = ((6, 8, 2), (5, 7, 3)), per_turn: bool = False,
                alone: tuple = (), padding: int = 4, vocab: int = 64, seed: int = 0) -> PackedBatch:
     """Multi-turn trajectories that branch: a `system` prompt, then per turn (user tokens, assistant
