@@ -411,9 +411,10 @@ SETTINGS: dict[str, Setting] = {
         "verl_fused_logprobs: all computes every row, not only the rows verl reads", verl_rows_setting),
     SHARED_PREFIX: Setting(
         "1/true/yes/on: slime's passes (training, old and reference log-probs, in-process teachers, the "
-        "live self-teacher) and NeMo-RL's Megatron passes (patch nemo_rl_shared_prefix) pack each "
-        "micro-batch by shared prefix: samples sharing leading tokens (a "
-        "group's prompt, a privileged context) compute them once, exactly (docs/shared-prefix.md); "
+        "live self-teacher), verl's engine passes (patch verl_fused_logprobs) and NeMo-RL's Megatron passes "
+        "(patch nemo_rl_shared_prefix) pack each micro-batch by shared prefix: samples sharing leading tokens (a "
+        "group's prompt, a privileged context) compute them once, exactly; a pass that cannot packs each "
+        "sample whole with one warning (an error under MEGATRON_RL_PATCHES_STRICT=1; docs/shared-prefix.md); "
         "0/false/no/off, unset or \"\": each sample packed whole", shared_prefix_setting),
     VERL_TEACHER: Setting(
         "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "

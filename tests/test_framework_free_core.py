@@ -1,8 +1,9 @@
-"""The framework-free rooms name no framework in their code (issue 64 item 3; `model/` since issue 113):
-`cross_tokenizer/`, `inference/` and `model/` take plain inputs and raise errors naming their
-arguments; building a framework's batch or naming its settings is its integration's
+"""The framework-free rooms name no framework in their code (issue 64 item 3; `model/` since issue 113,
+`shared_prefix/` since issue 122): `cross_tokenizer/`, `inference/`, `model/` and `shared_prefix/` take
+plain inputs and raise errors naming their arguments; building a framework's batch, naming its settings
+or its own layers (a framework's model kind: `integrations/slime/model_kinds.py`) is its integration's
 (`integrations/<framework>/`). Docstrings and comments may name the framework a function serves;
-the code (names, strings, keys) may not."""
+the code (names, strings, keys, module paths, file names) may not."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +15,7 @@ import pytest
 import megatron_rl_patches
 
 ROOT = Path(megatron_rl_patches.__file__).resolve().parent
-CORE = ("cross_tokenizer", "inference", "model")
+CORE = ("cross_tokenizer", "inference", "model", "shared_prefix")
 # a framework's name as a word (not inside another: "overlap" holds "verl"), slime's rollout keys
 # (`num_microbatches` is megatron-core's own keyword too: not listed), the slime integration's variables
 FRAMEWORK = re.compile(r"(?i)(?<![a-z])(slime|verl|nemo)(?![a-z])|micro_batch_indices|loss_masks"
@@ -41,6 +42,9 @@ def test_no_framework_name_in_the_code_of_the_framework_free_rooms():
     found = {str(path.relative_to(ROOT)): names for room in CORE for path in sorted((ROOT / room).rglob("*.py"))
              if (names := framework_names(path.read_text(encoding="utf-8")))}
     assert found == {}
+    named_files = [str(path.relative_to(ROOT)) for room in CORE for path in sorted((ROOT / room).rglob("*"))
+                   if FRAMEWORK.search(path.relative_to(ROOT / room).as_posix())]
+    assert named_files == []
 
 
 @pytest.mark.parametrize("source,expected", [

@@ -44,6 +44,8 @@ from megatron_rl_patches.shared_prefix.gated_delta_net import (
     segment_convolution,
     segment_recurrence,
 )
+from megatron_rl_patches.shared_prefix.kinds.gated_delta_nets import PACKAGE_GATED_DELTA_NET
+from megatron_rl_patches.shared_prefix.kinds.kind import known_as
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 
 
@@ -69,6 +71,7 @@ def _fla_rule() -> Any:
     return chunk_gated_delta_rule
 
 
+@known_as(PACKAGE_GATED_DELTA_NET)  # a shared-prefix plan runs it: it reads the plan itself
 class GatedDeltaNetLayer(torch.nn.Module):
     """[s, b, hidden] -> ([s, b, hidden], None), as megatron-core's attention modules return. Heads
     are split over the tensor-parallel ranks as megatron-core splits them (key heads and value

@@ -11,8 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl_patches.model.attention_layout import heads_first, kv_heads_repeated, sequence_first
+from megatron_rl_patches.shared_prefix.kinds.kind import known_as
+from megatron_rl_patches.shared_prefix.kinds.plain_cores import PLAIN_CORES
 
 
+@known_as(PLAIN_CORES)  # a shared-prefix plan runs it as its plain causal core
 class SDPACoreAttention(torch.nn.Module):
     """Causal softmax attention of [s, b, heads, d] queries, keys and values (values may be another
     width) with the softmax scale megatron passes (default 1/sqrt(key width)); returns [s, b, heads*dv]."""

@@ -28,6 +28,8 @@ _building = threading.Lock()
 # the framework reads variables of its own, `check_settings(environ)`). A new framework is one new
 # package, one row here and its patch names in ORDER.
 FRAMEWORKS = ("megatron", "slime", "verl", "nemo_rl")
+# The packages below this one that are no framework's: what every framework's door reads (no records).
+SHARED_BY_FRAMEWORKS = ("shared_prefix_doors",)
 # Patch names in listing order (listings, messages, the order records are applied in): the first
 # release's first, the newest last. Records of one name keep their framework's declaration order.
 ORDER = (

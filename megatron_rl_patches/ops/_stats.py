@@ -231,14 +231,14 @@ def combine_over_ranks(stats: RowStats, scale: float | torch.Tensor, group: dist
     # MAX all-reduce over the tensor-parallel group: each rank's maxima over its vocab shard give
     # the full-vocab maxima, the shifts every rank's sums are moved to
     shifts = all_reduce_max_(local.clone(), group)
-    n_rows = stats.shift.size(0)
     moved = moved_stats(stats, finite_or_zero(shifts[0]),
                         finite_or_zero(shifts[1]) if stats.sub_shift is not None else None, s_row)
     columns = [t for t in (stats.marked, moved.rest, moved.moment, moved.sub_sum) if t is not None]
     # SUM all-reduce over the tensor-parallel group of one packed [T, k + c] tensor: the partial
     # sums over each rank's vocab shard add up to full-vocab sums, and the marked logits (0 on
     # the ranks not owning them) come back from their owners
-    summed = all_reduce_sum_(torch.cat([c.reshape(n_rows, -1) for c in columns], dim=1), group)
+    # (a rank may hold no row at all: its columns are [0] or [0, k], which reshape(0, -1) cannot size)
+    summed = all_reduce_sum_(torch.cat([c.flatten(1) if c.dim() > 1 else c[:, None] for c in columns], dim=1), group)
     k = stats.marked.size(1)
     sums = iter(summed[:, k:].unbind(1))
     return RowStats(

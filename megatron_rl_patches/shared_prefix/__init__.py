@@ -27,6 +27,7 @@ _LAZY = lazy_names("""
     megatron_rl_patches.shared_prefix.refusals: check_shared_prefix shared_prefix_reason
     megatron_rl_patches.shared_prefix.attention: shared_prefix_attention
     megatron_rl_patches.shared_prefix.micro_batches: shared_prefix_micro_batches
+    megatron_rl_patches.shared_prefix.repeated_padding: repeated_padding_alike
 """)
 
 __all__ = sorted(_LAZY)

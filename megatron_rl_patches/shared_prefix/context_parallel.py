@@ -36,7 +36,7 @@ LOGICAL = ("zigzag", "contiguous")  # how a caller cut its logical ids (megatron
 def check_logical_layout(layout: Any) -> str:
     if layout not in LOGICAL:
         raise ValueError(f"shared prefix: cp_layout must be one of {', '.join(LOGICAL)} (how each context-parallel "
-                         f"rank's ids were cut: megatron-core's zigzag per sequence, or slime's --allgather-cp "
+                         f"rank's ids were cut: megatron-core's zigzag per sequence, or a framework's --allgather-cp "
                          f"contiguous slice), got {layout!r}")
     return str(layout)
 

@@ -1,6 +1,6 @@
 """megatron-core's `GatedDeltaNet` (Qwen3.5's and Qwen3-Next's linear attention) over a shared-prefix
 plan, in training: the module's class becomes a subclass whose forward takes a plan's route and
-calls its own class otherwise (as core attention's does, model_hooks.shared_prefix_core_class).
+calls its own class otherwise (as a plain core attention's does, kinds.plain_cores.shared_prefix_core_class).
 
 A gated delta net carries what a sequence has seen in two places: the recurrent state [heads, dk,
 dv] and the short convolution's window (the last kernel - 1 rows of q, k, v before it). The plan's
@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
-
-MODULE = "megatron.core.ssm.gated_delta_net"  # where megatron-core defines GatedDeltaNet (0.16: ssm/)
+from megatron_rl_patches.shared_prefix.prepared import Prepared
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,7 @@ def checked_segments(segments: tuple[Segment, ...], rows: int) -> tuple[Segment,
     return segments
 
 
-def is_gated_delta_net(module: Any) -> bool:
-    """megatron-core's GatedDeltaNet (or a subclass), found without importing it."""
-    return any(cls.__name__ == "GatedDeltaNet" and cls.__module__ == MODULE for cls in type(module).__mro__)
-
-
-class PlannedGatedDeltaNet:
+class PlannedGatedDeltaNet(Prepared):
     """The mark of a GatedDeltaNet whose class `planned_gated_delta_net_class` made."""
 
 

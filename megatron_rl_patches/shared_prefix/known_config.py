@@ -7,71 +7,29 @@ result depends only on the tokens its own sample lets it see, causally, at its o
 where no statistic counts tokens (a prefix token stands for G). Most fields act on each token alone
 (widths, weights, parallel layouts, kernels, precision, memory): `PER_TOKEN` and its kin take any
 value. The rest are checked: `only(...)` lists the values tested exact (the default first),
-`checked(...)` says it as a predicate. A field that is on a config but not in `FIELDS` is refused by
-name unless it holds its default: the plan runs only what it knows.
+`checked(...)` says it as a predicate (`kinds.fields`). A field that is on a config but not in
+`FIELDS` is refused by name unless it holds its default: the plan runs only what it knows.
+
+The rows here are the fields no one kind owns; a kind's own fields (MoE's, MLA's, MTP's, DSA's, the
+windows' and sinks', the recurrent layers') are in its object (`kinds`), and `FIELDS` holds them all.
 
 To allow another value once it is exact (a window in the package's attention, say), widen that
 field's entry, say what tests it, and move its row in docs/shared-prefix.md."""
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-Check = Callable[[Any, "Settings", bool], bool]  # (value, the other settings, training) -> runs exact
-
-
-class Settings:
-    """A config's fields read by name; a field the config lacks reads as TransformerConfig's default."""
-
-    def __init__(self, config: Any, defaults: dict[str, Any]):
-        self.config, self.defaults = config, defaults
-
-    def get(self, name: str) -> Any:
-        return getattr(self.config, name, self.defaults.get(name))
-
-
-@dataclass(frozen=True)
-class Known:
-    """A field the plan knows: `check` says which values run exact (`exact`, in words, for the
-    docs); `what` names the feature another value turns on and `why` why that is refused and what to
-    do instead."""
-
-    exact: str
-    check: Check
-    what: str = ""
-    why: str = ""
-
-
-def per_token(reason: str) -> Known:
-    """Any value: the field acts on each token alone (or on no token at all)."""
-    return Known(exact=f"any ({reason})", check=lambda value, settings, training: True)
-
-
-def only(*values: Any, what: str, why: str) -> Known:
-    """The listed values, the default first."""
-    return Known(exact=" or ".join(repr(v) for v in values), check=lambda value, settings, training: any(
-        value == v for v in values), what=what, why=why)
-
-
-def checked(exact: str, check: Check, *, what: str, why: str) -> Known:
-    return Known(exact=exact, check=check, what=what, why=why)
-
-
-def _zero(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_zero(v) for v in value)
-    return value is None or float(value) == 0.0
-
-
-def _kinds(value: Any) -> list:
-    """A field given as one value or one per layer, as a list."""
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _no_moe(settings: Settings) -> bool:
-    return not settings.get("num_moe_experts")
-
+from megatron_rl_patches.shared_prefix.kinds import KINDS
+from megatron_rl_patches.shared_prefix.kinds.fields import (
+    UNTESTED,
+    Known,
+    Settings,
+    checked,
+    only,
+    per_token,
+    rows,
+    zero,
+)
 
 SHAPE = per_token("a layer's widths, weights and per-token functions")
 PARALLEL = per_token("how weights and each token's work are split and communicated; tested at TP = 2 with and "
@@ -84,16 +42,8 @@ INFERENCE = per_token("inference engines only: a plan runs without an inference 
 MODULES = per_token("it chooses a layer's classes: a module the plan does not know is refused by its class")
 WITHOUT_CP = per_token("how the core attention exchanges keys across context-parallel ranks: the plan's attention "
                        "replaces it (it gathers them)")
-WITHOUT_MLA = per_token("only with multi_latent_attention, which is refused")
-WITHOUT_VARIANT = per_token("the widths of a gated delta net or of DSA's indexer, its top-k and its per-token scoring "
-                            "(exact under the plan's rule; top-k ties broken by stream order, as in any packing)")
-WITHOUT_MTP = per_token("only with mtp_num_layers, which is refused")
-WITHOUT_WINDOW = per_token("which layers take window_size: read per layer by the package's attention")
-WITHOUT_DROPPING = per_token("only with moe_expert_capacity_factor, which is refused")
 WITHOUT_MRoPE = per_token("only with position_embedding_type 'mrope', which is refused")
 WITHOUT_GRAPHS = per_token("only with CUDA graphs, which are refused")
-ROUTING = per_token("each token's own routing (MoE routing per token is exact: tested at EP = 1 and 2)")
-READ_WITH = per_token("read by another field's check")
 PIPELINE = checked(
     "1; any with variable_seq_lengths (PP = 2 tested)",
     lambda value, s, training: int(value or 1) == 1 or bool(s.get("variable_seq_lengths")),
@@ -103,67 +53,32 @@ PIPELINE = checked(
 
 def _dropout(name: str) -> Known:
     return checked("0 in training; any in forward-only passes",
-                   lambda value, s, training: not training or _zero(value),
+                   lambda value, s, training: not training or zero(value),
                    what=f"{name} dropout in training",
                    why="a prefix's dropout mask would be drawn once for every sample sharing it, where each "
                        "sample packed whole draws its own; set it to 0 (RL post-training runs without dropout)")
 
 
-def _moe_training(exact: str, test: Callable[[Any, Settings], bool], what: str, why: str) -> Known:
-    """A MoE statistic: inert without experts and in forward-only passes; in training `test`."""
-    return checked(exact, lambda value, s, training: _no_moe(s) or not training or test(value, s), what=what, why=why)
-
-
-def _moe(exact: str, test: Callable[[Any, Settings], bool], what: str, why: str) -> Known:
-    return checked(exact, lambda value, s, training: _no_moe(s) or test(value, s), what=what, why=why)
-
-
-LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-STATISTICS_WHY = ("the router counts each shared token once per sample by routing the samples' own rows, which "
-                  "a MoE layer recomputed alone (its router run outside the layer's call) does not allow; recompute "
-                  "whole layers or none, or set the statistic's coefficient to 0")
-
-
-def _one(s: Settings, kind: str) -> bool:
-    return int(s.get(f"{kind}_model_parallel_size") or 1) == 1
-
-
-def _split_rows(s: Settings) -> bool:
-    """Sequence parallelism over more than one rank: each rank holds a share of the rows."""
-    return bool(s.get("sequence_parallel")) and not _one(s, "tensor")
-
-
 def _context_parallel_served(s: Settings) -> bool:
     """Context parallelism where the plan's cut is tested: a GPTModel's dense or multi-latent attention, MoE
-    (every statistic but Sinkhorn's, read by its own field), pipeline stages, an MTP block and slime's gated
-    delta net layers (not a config field: their class, `slime_gated_delta_net`); no megatron-core recurrent
-    layers, DSA, windows or sinks."""
+    (every statistic but Sinkhorn's, read by its own field), pipeline stages, an MTP block and a framework's
+    own gated delta net layers (not a config field: their class, whose kind runs it so); no megatron-core
+    recurrent layers, DSA, windows or sinks."""
     return (not s.get("experimental_attention_variant")
             and not s.get("window_size") and s.get("softmax_type") in (None, "vanilla"))
 
 
-def _statistics(s: Settings) -> bool:
-    """The router's statistics counted on each sample's own rows (shared_prefix/moe_statistics.py)."""
-    recomputed = set(s.get("recompute_modules") or []) if s.get("recompute_granularity") == "selective" else set()
-    return not recomputed & {"moe", "mlp"}
-UNTESTED = "the plan has not been tested with it; leave it at its default or do not share this model's prefixes"
 
 
-def _dsa(exact: str, test: Callable[[Any], bool], what: str, why: str) -> Known:
-    """A DSA setting: inert without DSA; with it, `test`."""
-    return checked(exact, lambda value, s, training: s.get("experimental_attention_variant") != "dsa" or test(value),
-                   what=what, why=why)
-
-
-FIELDS: dict[str, Known] = {
-    # ---- what a token sees: checked
+_ROWS: dict[str, Known] = {  # what a token sees: checked
     "context_parallel_size": checked(
         "1; 2 or more on a GPTModel with dense or multi-latent attention, MoE, pipeline stages "
-        "(variable_seq_lengths), MTP and slime's gated delta net layers, without megatron-core's gated delta nets, "
+        "(variable_seq_lengths), MTP and a framework's own gated delta net layers where its kind runs them so, "
+        "without megatron-core's gated delta nets, "
         "DSA, windows or sinks (tested at CP = 2 and CP = 4; CP = 2 x TP = 2 + SP; MoE at CP = 2 x EP = 2, its "
         "statistics too, and at CP = 2 x TP = 2 + SP x EP = 2; MLA at CP = 2; CP = 2 x PP = 2, also with MLA and MoE "
         "together; MTP at CP = 2 x TP = 2 + SP (depth 2, zigzag and contiguous), beside MLA and MoE at CP = 2 and at "
-        "CP = 2 x PP = 2; slime's gated delta nets at CP = 2 and CP = 4)",
+        "CP = 2 x PP = 2; a framework's gated delta nets at CP = 2 and CP = 4)",
         lambda value, s, training: int(value or 1) == 1 or _context_parallel_served(s),
         what="context parallelism beside megatron-core's gated delta net or DSA, a sliding window or an attention sink",
         why="megatron-core's recurrent layers, DSA's key gather and masks, and the package's windows and sinks are not "
@@ -172,28 +87,6 @@ FIELDS: dict[str, Known] = {
     "hybrid_context_parallel": only(False, what="hybrid context parallelism", why=UNTESTED),
     "pipeline_model_parallel_size": PIPELINE,
     "virtual_pipeline_model_parallel_size": only(None, what="interleaved (virtual) pipeline stages", why=UNTESTED),
-    "multi_latent_attention": checked(
-        "False; True without fused or interleaved RoPE (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2)",
-        lambda value, s, training: not value or (not s.get("apply_rope_fusion") and not s.get("rotary_interleaved")),
-        what="multi-latent attention with fused or interleaved RoPE",
-        why="its rotary table is read at each token's own position only on the unfused, non-interleaved path; set "
-            "apply_rope_fusion=False and rotary_interleaved=False"),
-    "mtp_num_layers": checked(
-        "None, 0; 1 or 2 (tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2, CP = 2 x TP = 2 + SP, CP = 2 x PP = 2)",
-        lambda value, s, training: not value or int(value) <= 2,
-        what="multi-token prediction at this depth",
-        why="each depth runs its own stream (the prompt shared one token shorter per depth), tested at depths 1 "
-            "and 2; run it there or do not share this model's prefixes"),
-    "softmax_type": only("vanilla", "off-by-one", "learnable", what="this softmax",
-                         why="the package's attention adds megatron-core's sink (softmax_offset) for off-by-one and "
-                             "learnable sinks only; use one of them or do not share this model's prefixes"),
-    "window_size": checked(
-        "None; (w, 0) with w >= 0 or -1: earlier positions of the token's own sample (tested on megatron-core's "
-        "local attention)",
-        lambda value, s, training: value is None or (isinstance(value, (list, tuple)) and len(value) == 2
-                                                     and int(value[1]) == 0 and int(value[0]) >= -1),
-        what="a sliding window that sees later tokens",
-        why="a causal model's window looks back only; set window_size=(w, 0) or None"),
     "experimental_attention_variant": checked(
         "None; 'gated_delta_net' (megatron-core's GatedDeltaNet: tested at 1 rank, TP = 2, TP = 2 + SP, PP = 2); "
         "'dsa' (megatron-core 0.19's DSA on its torch path: tested at 1 rank and TP = 2 + SP); either at CP = 1 "
@@ -202,20 +95,6 @@ FIELDS: dict[str, Known] = {
         what="an experimental attention variant the sharing plan does not know",
         why="only megatron-core's gated delta net and DSA are prepared and tested under a sharing plan; do not share "
             "this model's prefixes"),
-    "dsa_indexer_loss_coeff": checked(
-        "None or 0 in training; any in forward-only passes",
-        lambda value, s, training: not training or _zero(value) or s.get("experimental_attention_variant") != "dsa",
-        what="DSA's indexer loss in training",
-        why="megatron-core averages the indexer's KL over the stream's query rows, where a shared prefix row would "
-            "count once instead of once per sample that holds it; set dsa_indexer_loss_coeff=0 (or train the indexer "
-            "without a sharing plan)"),
-    "dsa_kernel_backend": _dsa("'none'", lambda value: (value or "none") == "none", "DSA's fused kernels",
-                               "they take one contiguous key range per query, and a planned row sees its ancestors' "
-                               "rows and its own; set dsa_kernel_backend='none'"),
-    "dsa_indexer_topk_freq": _dsa("1", lambda value: int(value or 1) == 1, "DSA's top-k shared across layers",
-                                  UNTESTED),
-    "dsa_indexer_rope_interleaved": _dsa("False", lambda value: not value, "DSA's indexer with interleaved RoPE",
-                                         UNTESTED),
     "fused_single_qkv_rope": only(False, what="megatron-core's fused qkv RoPE",
                                   why="it takes no packed input; set fused_single_qkv_rope=False"),
     "qk_clip": only(False, what="QK-clip",
@@ -235,58 +114,7 @@ FIELDS: dict[str, Known] = {
     "position_embedding_type": only("rope", "yarn", "learned_absolute", "none", what="this position embedding",
                                     why="the plan reads rope, YaRN and learned positions at each token's own "
                                         "position; the multimodal rotary embedding (mrope) is not read so"),
-    # ---- MoE: routing is per token; statistics over the batch's tokens are not
-    "num_moe_experts": ROUTING,
-    "moe_expert_capacity_factor": _moe("None", lambda v, s: v is None, "MoE token dropping",
-                                       "which tokens drop depends on the batch's tokens; set "
-                                       "moe_expert_capacity_factor=None"),
-    "moe_token_dropping": _moe("False", lambda v, s: not v, "MoE token dropping",
-                               "which tokens drop depends on the batch's tokens"),
-    "moe_router_load_balancing_type": _moe_training(
-        f"{' or '.join(map(repr, LOSSES))} in training (their statistics as below; Sinkhorn without sequence "
-        "or context parallelism); any in forward-only passes",
-        lambda v, s: set(_kinds(v)) <= set(LOSSES) and not ("sinkhorn" in _kinds(v) and (
-            _split_rows(s) or int(s.get("context_parallel_size") or 1) > 1)),
-        "MoE quantile load balancing, or Sinkhorn's under sequence parallelism or context parallelism, in training",
-        "quantile balancing keeps a running estimate over the batch's tokens the package has not shown exact; "
-        "Sinkhorn balances each rank's share of the rows on its own, so under sequence or context parallelism the "
-        "samples sharing a prefix token route it differently on different ranks, where the plan computes it once; "
-        "use 'none' or an aux loss (Sinkhorn runs exact without sequence or context parallelism)"),
-    "moe_aux_loss_coeff": _moe_training(
-        "any in training where the router's statistics run on each sample's tokens (MoE not recomputed alone; "
-        "tested at 1 rank, EP = 2, TP = 2 + SP with EP = 2)",
-        lambda v, s: _zero(v) or set(_kinds(s.get("moe_router_load_balancing_type"))) == {"none"} or _statistics(s),
-        "MoE load balancing in training with the MoE layer recomputed alone",
-        STATISTICS_WHY),
-    "moe_z_loss_coeff": _moe_training("any in training where the router's statistics run on each sample's tokens",
-                                      lambda v, s: _zero(v) or _statistics(s),
-                                      "MoE z-loss in training with the MoE layer recomputed alone",
-                                      STATISTICS_WHY),
-    "moe_router_enable_expert_bias": _moe_training(
-        "False; True with moe_router_bias_update_rate 0; True with any rate where the router's statistics run on "
-        "each sample's tokens",
-        lambda v, s: not v or _zero(s.get("moe_router_bias_update_rate")) or _statistics(s),
-        "MoE expert bias updated in training with the MoE layer recomputed alone",
-        STATISTICS_WHY),
-    "moe_router_bias_update_rate": READ_WITH,
-    "moe_router_force_load_balancing": _moe("False", lambda v, s: not v, "MoE forced load balancing",
-                                            "it routes by the batch, not by each token; " + UNTESTED),
-    "moe_input_jitter_eps": _moe_training("None or 0 in training", lambda v, s: _zero(v), "MoE router input jitter",
-                                          "a prefix's noise would be drawn once for every sample sharing it; set it "
-                                          "to None"),
-    "moe_router_force_biased": _moe("None", lambda v, s: v is None, "MoE random router bias",
-                                    "it draws a bias per forward, not per token; " + UNTESTED),
-    "moe_expert_rank_capacity_factor": _moe("None", lambda v, s: v is None, "MoE token dropping per expert rank",
-                                            "which tokens drop depends on the batch's tokens; set it to None"),
     "use_mup": only(False, what="MuP scaling", why=UNTESTED),
-    "moe_enable_routing_replay": _moe("False", lambda v, s: not v, "MoE routing replay",
-                                      "it replays routing recorded per packed token, and a plan computes fewer"),
-    "moe_router_padding_for_quantization": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
-    "moe_router_padding_for_fp8": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
-    "moe_pad_expert_input_to_capacity": WITHOUT_DROPPING,
-    "moe_token_drop_policy": WITHOUT_DROPPING,
-    "moe_router_quantile_balancing_ema": READ_WITH,
-    "moe_per_layer_logging": per_token("logging only: the logged counts are of the tokens computed"),
 }
 
 _GROUPS: dict[Known, str] = {
@@ -297,8 +125,6 @@ _GROUPS: dict[Known, str] = {
         moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate moe_layer_freq moe_latent_size
         moe_apply_probs_on_input calculate_per_token_loss max_position_embeddings is_hybrid_model
         moe_shared_expert_glu_interleave_size moe_mlp_glu_interleave_size""",
-    ROUTING: """moe_router_topk moe_router_score_function moe_router_pre_softmax moe_router_topk_scaling_factor
-        moe_router_num_groups moe_router_group_topk moe_router_topk_limited_devices moe_router_dtype""",
     PARALLEL: """tensor_model_parallel_size pipeline_model_parallel_comm_backend sequence_parallel
         expert_model_parallel_size expert_tensor_parallel_size moe_extended_tp variable_seq_lengths
         num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage pipeline_model_parallel_layout
@@ -350,27 +176,16 @@ _GROUPS: dict[Known, str] = {
         nccl_all_reduce_for_prefill inference_disable_triton_nvls_kernels inference_grouped_gemm_backend
         inference_moe_disable_fused_quant_kernels inference_moe_token_dispatcher_type""",
     WITHOUT_CP: "hierarchical_context_parallel_sizes max_seqlen_per_dp_cp_rank cp_comm_type",
-    WITHOUT_MLA: """q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim rope_type rotary_base
-        rotary_percent rotary_scaling_factor original_max_position_embeddings beta_fast beta_slow mscale
-        mscale_all_dim mla_down_proj_fusion""",
-    WITHOUT_VARIANT: """dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk linear_attention_freq
-        linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
-        dsa_indexer_rotate_activation dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32""",
-    per_token("only with DSA's indexer loss or top-k sharing, which are refused"): """dsa_indexer_use_sparse_loss
-        dsa_indexer_skip_topk_offset""",
-    WITHOUT_MTP: "mtp_standalone mtp_use_repeated_layer mtp_detach_heads mtp_hybrid_override_pattern",
     per_token("only with use_mup, which is refused"): """mup_width_mult mup_base_hidden_size mup_embedding_mult
         mup_output_mult mup_base_head_dim mup_attn_scale_power""",
     per_token("only with qk_clip, which is refused"): "qk_clip_alpha qk_clip_threshold",
-    WITHOUT_WINDOW: "window_attn_skip_freq",
     WITHOUT_MRoPE: "mrope_section",
     WITHOUT_GRAPHS: """cuda_graph_use_single_mempool cuda_graph_retain_backward_graph cuda_graph_warmup_steps
         cuda_graph_scope cuda_graph_modules""",
-    per_token("Mamba and gated delta net layers are refused by their class"): """mamba_state_dim mamba_head_dim
-        mamba_num_groups mamba_num_heads use_mamba_mem_eff_path mamba_training_ssm_states_dtype""",
 }
-for _known, _names in _GROUPS.items():
-    for _name in _names.split():
+FIELDS: dict[str, Known] = dict(_ROWS)  # every field: the rows no kind owns, each kind's, then the groups
+for _table in (*(kind.fields for kind in KINDS), rows({}, _GROUPS)):
+    for _name, _known in _table.items():
         FIELDS.setdefault(_name, _known)
 
 

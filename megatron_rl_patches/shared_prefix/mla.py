@@ -31,6 +31,7 @@ from typing import Any
 from megatron_rl_patches.model.arguments import ArgumentsByName
 from megatron_rl_patches.shared_prefix.context_parallel import Share, WholeRotaryTable, group_share, taken
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.prepared import Prepared
 from megatron_rl_patches.shared_prefix.sparse_attention_refusal import refusal as sparse_refusal
 
 WHOLE_TABLE = WholeRotaryTable()  # one instance: the rotary module's cache keys on its arguments
@@ -76,7 +77,7 @@ def refusal(config: Any) -> str | None:
     return None
 
 
-class PlannedRotary:
+class PlannedRotary(Prepared):
     """The mark of a rotary module whose class `planned_rotary_class` made."""
 
 

@@ -20,12 +20,12 @@ statistic on.
 
 How the router gets the plan: megatron-core calls it from the MoE layer with the hidden states
 and a padding mask only. The transformer layer's call carries the plan (`packed_seq_params`), so
-a pre-hook of the layer sets a context variable for the duration of that call and a hook that runs
-even when the call raises (`always_call`) clears it: the plan still comes from the call's own
-arguments and never outlives the call (no module state, nothing leaking into the next micro-batch
-or an unplanned call). Full activation recompute reruns the layer's call, hooks included. A
-recompute of the MLP or MoE module alone reruns the router outside the layer's call, so it is
-refused by name when a statistic is on.
+a pre-hook of the layer hands the call's params to the layer's own router for the duration of that
+call (`layer_params`) and a hook that runs even when the call raises (`always_call`) takes them
+back: the plan still comes from the call's own arguments and never outlives the call (no module
+variable, nothing leaking into the next micro-batch or an unplanned call). Full activation
+recompute reruns the layer's call, hooks included. A recompute of the MLP or MoE module alone
+reruns the router outside the layer's call, so it is refused by name when a statistic is on.
 
 Under sequence parallelism each rank holds a share of the physical rows, and the packed path's
 rank r routes the r-th share of the logical rows (its statistics reduced over the group by
@@ -48,7 +48,6 @@ megatron-core's own context-parallel path balances each rank's share on its own,
 rows equals the batch balanced whole."""
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Any
 
@@ -64,12 +63,16 @@ from megatron_rl_patches.shared_prefix.context_parallel import (
     taken,
 )
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, physical_readers, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.prepared import Prepared
 
-# not an argument: megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params;
-# the call's params (holding the plan) are set by the transformer layer's pre-hook for that one call and reset by
-# a hook that always runs
-LAYER_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "megatron_rl_patches_shared_prefix_layer_plan_params", default=None)
+# megatron-core's MoELayer.forward(hidden_states) and its router take no packed_seq_params: the layer's call hands
+# its params (holding the plan) to its own router under this attribute, and takes them back when the call ends
+LAYER_PARAMS = "_megatron_rl_patches_shared_prefix_layer_params"
+
+
+def layer_params(router: Any) -> Any:
+    """The params of the layer call `router` runs in (None: no planned call, or none in progress)."""
+    return getattr(router, LAYER_PARAMS, None)
 
 
 def is_router(module: Any) -> bool:
@@ -110,11 +113,11 @@ def plan_for_the_call(layer: Any, args: tuple, kwargs: dict) -> None:
             raise ValueError("shared prefix: MoE routing statistics in training with the MLP / MoE module "
                              "recomputed on its own (recompute_modules 'mlp' / 'moe') are not taken with a "
                              "shared-prefix plan; recompute whole layers (recompute_granularity='full') or none")
-    LAYER_PARAMS.set(params if plan is not None else None)
+    setattr(layer.mlp.router, LAYER_PARAMS, params if plan is not None else None)
 
 
 def end_of_the_call(layer: Any, args: tuple, output: Any) -> None:
-    LAYER_PARAMS.set(None)
+    setattr(layer.mlp.router, LAYER_PARAMS, None)
 
 
 def _sequence_shares(router: Any, plan: SharedPrefixPlan, rows: int) -> tuple[int, int, Any] | None:
@@ -178,7 +181,7 @@ def _context_parallel_routing(cls: Any, router: Any, flat: torch.Tensor, plan: S
     return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 
 
-class PlannedRouter:
+class PlannedRouter(Prepared):
     """The mark of a router whose class `planned_router_class` made."""
 
 
@@ -187,7 +190,7 @@ def planned_router_class(cls: Any) -> type:
     """`cls` (a top-k router) routing a plan's logical rows in training when it counts statistics."""
 
     def routing(self: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        params = LAYER_PARAMS.get()
+        params = layer_params(self)
         plan = shared_prefix_plan_of(params)
         if plan is None or not self.training or not counts_statistics(self):
             return cls.routing(self, logits, *args, **kwargs)

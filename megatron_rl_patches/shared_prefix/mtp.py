@@ -9,7 +9,8 @@ prefix shares one row less per depth. The depth's stream is a plan of its own (`
 from the main plan's physical rows read d rows ahead (a physical row stands for its tokens 0..t,
 so two rows agree d ahead exactly when their samples agree up to t + d); a row whose t + d is past
 its sequence's end is its sample's own. The padding after the samples runs as megatron-core packs
-it (one sequence; its rows chained at their own positions, the last d reading id 0).
+it (each padding sequence its rows chained at their own positions, the last d reading id 0; the
+main stream computes each padding row by its own id, so each depth's does too).
 
 Each MTP layer's call then runs the depth's stream (`physical_layer_inputs`, a pre-hook): the
 previous depth's state (held at the logical rows) read at one logical row of each physical row,
@@ -70,34 +71,23 @@ class LogicalShareRoll:
     group: Any
 
 
-def is_mtp_block(module: Any) -> bool:
-    """megatron-core's MTP block (its layers, each with an embedding roll)."""
-    return type(module).__name__ == "MultiTokenPredictionBlock"
-
-
-def is_mtp_layer(module: Any) -> bool:
-    return type(module).__name__ == "MultiTokenPredictionLayer"
-
-
 def logical_positions(plan: SharedPrefixPlan) -> torch.Tensor:
-    """[T]: each logical row's position in its own sample; the padding counted from 0 as one sequence."""
+    """[T]: each logical row's position in its own sequence (a sample's, a padding sequence's), as the
+    packed path numbers it (`logical_bounds`)."""
     def build() -> torch.Tensor:
-        positions = plan.positions.index_select(0, plan.logical_rows)
-        samples_end = plan.stats.logical_tokens
-        positions[samples_end:] = torch.arange(plan.logical_length - samples_end)
-        return positions
+        bounds = torch.tensor(logical_bounds(plan), dtype=torch.int64)
+        return torch.arange(plan.logical_length) - torch.repeat_interleave(bounds[:-1], bounds.diff())
 
     return plan.cached(("mtp-positions",), build)
 
 
 def logical_bounds(plan: SharedPrefixPlan) -> list[int]:
-    """The micro-batch's sequences as packed: a sample starts where its position is 0; the rows past
-    the samples are one padding sequence."""
+    """The micro-batch's sequences as packed (megatron-core rolls each on its own): the `cu_seqlens`
+    the plan was built from, an empty sequence dropped, the rows past its end one more sequence (as
+    the plan runs them)."""
     def build() -> list[int]:
-        positions = logical_positions(plan)
-        samples_end = plan.stats.logical_tokens
-        starts = torch.nonzero(positions[:samples_end] == 0).flatten().tolist()
-        return [*starts, samples_end] + ([plan.logical_length] if plan.logical_length > samples_end else [])
+        bounds = sorted(set(plan.sequence_bounds.tolist()))
+        return bounds + ([plan.logical_length] if plan.logical_length > bounds[-1] else [])
 
     return plan.cached(("mtp-bounds",), build)
 
@@ -279,13 +269,23 @@ def install_label_roll() -> None:
     """megatron-core's GPT module rolls the MTP labels and loss mask by the call's params (0.16: its
     `roll_tensor` in `_postprocess`; 0.19: `process_mtp_loss`, which also derives labels from the
     call's ids where none are given): a plan's params are read as the micro-batch's logical ones, its
-    ids as the packed ids (once per process; other calls unchanged)."""
+    ids as the packed ids (once per process; other calls unchanged: `planned_label_roll`)."""
     from megatron.core.models.gpt import gpt_model
 
     name = "process_mtp_loss" if hasattr(gpt_model, "process_mtp_loss") else "roll_tensor"
     original = getattr(gpt_model, name, None)
     if original is None or getattr(original, ROLL_MARK, False):
         return
+    setattr(gpt_model, name, planned_label_roll(original, name))
+
+
+def planned_label_roll(original: Any, name: str = "process_mtp_loss") -> Any:
+    """`original` (megatron-core's `process_mtp_loss`, or 0.16's `roll_tensor` as the GPT module calls it;
+    `name` says which) reading a plan's params as the micro-batch's logical ones and its ids as the packed
+    ids; a call without a plan as it is. A framework's own copy of the GPT module's MTP loss (verl's) wraps
+    the function it bound with it."""
+    if getattr(original, ROLL_MARK, False):
+        return original
 
     @functools.wraps(original)
     def logical(*args: Any, **kwargs: Any) -> Any:
@@ -305,7 +305,7 @@ def install_label_roll() -> None:
         return original(*args, **kwargs)
 
     setattr(logical, ROLL_MARK, True)
-    setattr(gpt_model, name, logical)
+    return logical
 
 
 def install_depth_roll() -> None:

@@ -4,7 +4,10 @@ A micro-batch arrives packed as frameworks pack it, one sample after another (th
 stream, `thd` with its `cu_seqlens`). Every run of leading tokens two or more samples share (a GRPO
 group's prompt, a multi-turn history at each turn where it branches, a privileged context before
 every prompt) is found by value and laid out once (`tree.tree_layout`: the samples' trie in
-segments, each segment after its parent, its children after it), then padding. Causal attention
+segments, each segment after its parent, its children after it), then the padding as megatron-core
+packs it (`padding`: each padding sequence on rows of its own, each row its own, since the MoE
+statistics and the MTP loss count every padding row by its own id), then the rows padding the stream
+to a multiple. Causal attention
 makes this exact: a token never sees what follows it, so a shared token's states are the same in
 every sample holding it; a segment sees its ancestors and itself causally, nothing of its siblings
 (`segments` / `reach`, the one rule of `attention_rule`). Each physical row keeps its position in
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.grouping import Group
+from megatron_rl_patches.shared_prefix.padding import padding_layout
 from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
 from megatron_rl_patches.shared_prefix.plan_summary import PrefixNode, plan_summary, plan_tree
 from megatron_rl_patches.shared_prefix.tree import run_of, tree_layout
@@ -30,8 +34,13 @@ from megatron_rl_patches.shared_prefix.tree import run_of, tree_layout
 class PlanStats:
     """What a plan computes and saves: the samples' tokens as packed (`logical_tokens`) and as
     planned (`physical_tokens`, padding left out), the groups of two or more samples, the samples in
-    them, the samples alone, and the claimed groups (`hints`) whose members' tokens differ (split by
-    value, never merged)."""
+    them, the samples alone, the claimed groups (`hints`) whose members' tokens differ (split by
+    value, never merged), and what the padding costs: its rows as packed (`padding_tokens`: the
+    sequences past the samples and the rows past `cu_seqlens[-1]`), the physical rows computing them
+    (`padding_rows`: each its own, as the packed path computes it, or one per padding sequence of
+    one repeated id where the caller asked it: `padding.padding_layout`) and the rows that pad the
+    stream to a multiple (`filler_rows`, read by nothing). The physical stream is `physical_tokens +
+    padding_rows + filler_rows` rows."""
 
     samples: int
     logical_tokens: int
@@ -40,6 +49,9 @@ class PlanStats:
     shared_samples: int
     alone: int
     split_hints: int = 0
+    padding_tokens: int = 0
+    padding_rows: int = 0
+    filler_rows: int = 0
 
     @property
     def saved_tokens(self) -> int:
@@ -49,7 +61,8 @@ class PlanStats:
         return {"samples": self.samples, "logical_tokens": self.logical_tokens,
                 "physical_tokens": self.physical_tokens, "saved_tokens": self.saved_tokens,
                 "groups": self.groups, "shared_samples": self.shared_samples, "alone": self.alone,
-                "split_hints": self.split_hints}
+                "split_hints": self.split_hints, "padding_tokens": self.padding_tokens,
+                "padding_rows": self.padding_rows, "filler_rows": self.filler_rows}
 
 
 @dataclass(eq=False)
@@ -60,8 +73,10 @@ class SharedPrefixPlan:
     `attention_rule.sees`), per segment its first row `segment_starts`, its parent
     `segment_parents` (-1 under the root) and `segment_depths` (0 under the root), `logical_rows` [T]
     (the physical row of each logical row), `logical_tokens` [T] (the stream as packed), the `groups`
-    (the subtrees under the root), `stats`, and the `cu_seqlens` it was built from (`sequence_bounds`:
-    where context parallelism cuts the logical ids per sequence). Build it with :func:`plan_shared_prefix`."""
+    (the samples' subtrees under the root), `stats`, `padding_rows` (the physical rows after the
+    samples': the padding's and the filler's, `stats.padding_rows + stats.filler_rows`), and the
+    `cu_seqlens` it was built from (`sequence_bounds`: where context parallelism cuts the logical ids
+    per sequence, and megatron-core's MTP rolls them). Build it with :func:`plan_shared_prefix`."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -162,14 +177,19 @@ def _count(name: str, value: Any, low: int) -> int:
 
 def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | None = None, pad_to: int = 1,
                        min_shared: int = 1, hints: Sequence[Any] | None = None,
-                       levels: int | None = None) -> SharedPrefixPlan:
+                       levels: int | None = None, repeated_padding_once: bool = False) -> SharedPrefixPlan:
     """The shared-prefix plan of a micro-batch packed as `tokens` ([T] or [1, T]) with sequence
     boundaries `cu_seqlens` ([n + 1], as megatron-core's `PackedSeqParams`). The first `samples`
-    sequences (default: all) are samples; later sequences and the rows past `cu_seqlens[-1]` are
-    padding, never shared. The physical stream is padded to a multiple of `pad_to` (the tensor-parallel
-    size under sequence parallelism). Every run of leading tokens samples share is computed once, at
-    any depth (a tree: a branch point's last row serves each child), where the run adds at least
-    `min_shared` tokens to the shared segment above it (else its tokens go down into each child);
+    sequences (default: all) are samples; later sequences and the rows past `cu_seqlens[-1]` (one
+    more sequence) are padding, computed as megatron-core's packed path computes them: never shared,
+    each row on a physical row of its own at its position in its sequence, seeing its sequence's
+    earlier rows (`padding.padding_layout`); `repeated_padding_once`: a padding sequence of one
+    repeated id computed on one row, for a model that computes every row of such a run alike
+    (`repeated_padding_alike(model)`; the doors ask it). The physical stream is padded to a multiple of
+    `pad_to` (the tensor-parallel size under sequence parallelism). Every run of leading tokens
+    samples share is computed once, at any depth (a tree: a branch point's last row serves each
+    child), where the run adds at least `min_shared` tokens to the shared segment above it (else its
+    tokens go down into each child);
     `levels` caps the shared segments on a sample's path (1: a group's longest common prefix, then
     each member's rest whole). `hints` (one per sample, e.g. a claimed group index) only count
     claimed groups whose tokens differ."""
@@ -188,34 +208,31 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     hints = hint_values(hints, samples)
     if levels is not None:
         _count("levels", levels, 1)
+    if not isinstance(repeated_padding_once, bool):
+        raise TypeError(f"plan_shared_prefix: repeated_padding_once must be a bool, got {repeated_padding_once!r}")
     tree = tree_layout(ids, starts, ends, min_shared, levels)
     groups = tuple(Group(members, shared) for members, shared in tree.tops)
     physical = tree.rows
-    logical_padding = ids.numel() - (ends[-1] if ends else 0)
-    needed = 1 if logical_padding else 0  # the row every logical padding row reads
-    padding = needed + (-(physical + needed)) % pad_to
-    pad_id = ids[ends[-1] if ends else 0] if logical_padding else torch.tensor(0)
-    starts_t, lengths_t, positions_t, sources_t, reach_t = (tree.starts, tree.lengths, tree.positions, tree.sources,
-                                                              tree.reach)
-    parents, depths = tree.parents, tree.depths
-    if padding:  # padding: a segment of its own, never shared, reading the first padding token
-        one = torch.ones(1, dtype=torch.int64)
-        starts_t, lengths_t = torch.cat([starts_t, one * physical]), torch.cat([lengths_t, one * padding])
-        positions_t, reach_t = torch.cat([positions_t, one * 0]), torch.cat([reach_t, one * (physical + padding)])
-        sources_t = torch.cat([sources_t, one * -1])
-        parents, depths = torch.cat([parents, -one]), torch.cat([depths, one * 0])
+    samples_end = bounds[samples]
+    padding = padding_layout(ids, bounds, samples, physical, pad_to, repeated_padding_once)
+    # the padding after the samples' rows (`padding.padding_layout`): each sequence a segment of its own
+    starts_x = physical + padding.lengths.cumsum(0) - padding.lengths
+    zeros = torch.zeros_like(padding.lengths)
+    starts_t, lengths_t = torch.cat([tree.starts, starts_x]), torch.cat([tree.lengths, padding.lengths])
+    positions_t, sources_t = torch.cat([tree.positions, zeros]), torch.cat([tree.sources, padding.sources])
+    reach_t = torch.cat([tree.reach, starts_x + padding.lengths])
+    parents, depths = torch.cat([tree.parents, zeros - 1]), torch.cat([tree.depths, zeros])
     segments = run_of(lengths_t)
     local = torch.arange(segments.numel()) - starts_t[segments]
     positions = positions_t[segments] + local
     source = sources_t[segments] + local
-    # padding rows read any id here (set below): a padding longer than the stream reads past its end otherwise
+    # the filler rows read any id here (set below): a filler longer than the stream reads past its end otherwise
     tokens = ids[source.clamp(0, ids.numel() - 1)] if source.numel() else torch.empty(0, dtype=torch.int64)
-    if padding:
-        tokens[physical:] = pad_id
+    if padding.filler:
+        tokens[physical + padding.rows - padding.filler:] = padding.filler_id
     logical_rows = torch.empty(ids.numel(), dtype=torch.int64)
     logical_rows[:tree.logical_rows.numel()] = tree.logical_rows
-    if logical_padding:
-        logical_rows[ids.numel() - logical_padding:] = physical
+    logical_rows[samples_end:] = physical + padding.logical_rows
     split = 0
     if hints is not None:
         group_of = {member: index for index, group in enumerate(groups) for member in group.members}
@@ -224,13 +241,16 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
             claimed.setdefault(hint, set()).add(group_of[member])
         split = sum(1 for found in claimed.values() if len(found) > 1)
     shared_groups = [group for group in groups if group.shared]
-    stats = PlanStats(samples=samples, logical_tokens=ends[-1] if ends else 0, physical_tokens=physical,
+    stats = PlanStats(samples=samples, logical_tokens=samples_end, physical_tokens=physical,
                       groups=len(shared_groups), shared_samples=sum(len(g.members) for g in shared_groups),
-                      alone=sum(1 for g in groups if not g.shared), split_hints=split)
+                      alone=sum(1 for g in groups if not g.shared), split_hints=split,
+                      padding_tokens=padding.tokens, padding_rows=padding.rows - padding.filler,
+                      filler_rows=padding.filler)
     return SharedPrefixPlan(tokens=tokens, positions=positions, segments=segments, reach=reach_t[segments],
                             segment_starts=starts_t, segment_parents=parents, segment_depths=depths,
                             logical_rows=logical_rows, logical_tokens=ids, groups=groups, stats=stats,
-                            padding_rows=padding, sequence_bounds=torch.tensor(bounds, dtype=torch.int64))
+                            padding_rows=padding.rows,
+                            sequence_bounds=torch.tensor(bounds, dtype=torch.int64))
 
 
 def shared_prefix_plan_of(packed_seq_params: Any) -> SharedPrefixPlan | None:

@@ -4,92 +4,36 @@ A plan runs only what it knows to be exact; anything else is refused by name:
 - every field of each model config (TransformerConfig, MLATransformerConfig) and the language
   model's position embedding hold a value `known_config.FIELDS` runs exact (a field it does not know
   runs only at its default);
-- every module whose forward takes `packed_seq_params` is one the package prepares or knows to pass
-  them on unread (`PASSES_ON`: the language models, the transformer block and layer, megatron-core's
-  attention) or a core attention the package's attention replaces with the same arithmetic
-  (`CORES`), or megatron-core 0.19's DSA core and indexer, which the plan hands its rule
-  (`sparse_attention`). Anything else reads the packed sequences itself (slime's
-  `HuggingfaceAttention`, a gated delta net, Mamba, slime's GLM-5 DSA layer) and is refused by its
-  class.
+- every module is read through the model kinds (`kinds.model_kinds()`): a kind that recognizes its
+  code says what of it the plan refuses; a module no kind recognizes whose forward may be handed
+  `packed_seq_params` (a parameter of that name, or `**kwargs`) reads the packed sequences itself and
+  is refused by its class: a forward of its own, or an `__init__` of its own under a kind whose
+  planned route stands in for the module's arithmetic (a core that sets its own softmax scale). A
+  fallback kind names what it refuses by the class's name (Mamba, a recurrent layer no kind runs).
 The layer kinds differ between pipeline stages, so the reasons are agreed over the group before
 anything else: one rank's reason is every rank's."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-import re
 from typing import Any, cast
 
 from megatron_rl_patches.model.chunks import as_chunks, modules_of
-from megatron_rl_patches.model.kinds import is_attention, is_language_model, qualified_name
+from megatron_rl_patches.model.kinds import is_language_model, qualified_name
 from megatron_rl_patches.ops.agreement import gathered_objects, world
-from megatron_rl_patches.shared_prefix.gated_delta_net import PlannedGatedDeltaNet
+from megatron_rl_patches.shared_prefix.kinds import model_kinds
+from megatron_rl_patches.shared_prefix.kinds.kind import ByCode, owner, reads_packed_sequences
+from megatron_rl_patches.shared_prefix.kinds.latent_attention import megatron_core_before_0_16
 from megatron_rl_patches.shared_prefix.known_config import FIELDS, Settings, refusal, unknown
-from megatron_rl_patches.shared_prefix.mla import is_latent_attention
-from megatron_rl_patches.shared_prefix.model_hooks import SharedPrefixCore
-from megatron_rl_patches.shared_prefix.slime_gated_delta_net import (
-    LAYERS,
-    is_slime_gated_delta_net,
-    slime_gated_delta_net_reason,
-)
-from megatron_rl_patches.shared_prefix.sparse_attention import ATTENTION, is_sparse_attention, is_sparse_indexer
-from megatron_rl_patches.shared_prefix.sparse_attention import module_reason as sparse_attention_reason
+from megatron_rl_patches.shared_prefix.prepared import own_class
 
-PASSES_ON = {  # the class that defines the forward: it hands packed_seq_params on, unread, or the package prepares it
-    "megatron.core.models.gpt.gpt_model.GPTModel",
-    "megatron.core.models.mamba.mamba_model.MambaModel",
-    "megatron.core.models.hybrid.hybrid_model.HybridModel",
-    "megatron.core.transformer.transformer_block.TransformerBlock",
-    "megatron.core.transformer.transformer_layer.TransformerLayer",
-    "megatron.core.ssm.mamba_block.MambaStack",
-    "megatron.core.models.hybrid.hybrid_block.HybridStack",
-    "megatron.core.transformer.attention.Attention",
-    # prepared by the package: MLA's rotary length (shared_prefix/mla.py), each MTP depth's layer on its
-    # own plan, the prompt shared one token shorter per depth (shared_prefix/mtp.py)
-    "megatron.core.transformer.multi_latent_attention.MultiLatentAttention",
-    "megatron.core.transformer.multi_token_prediction.MultiTokenPredictionBlock",
-    "megatron.core.transformer.multi_token_prediction.MultiTokenPredictionLayer",
-    ATTENTION,  # megatron-core 0.19's MLA for DSA: its rotary length prepared as MLA's (shared_prefix/mla.py)
-}
-CORES = {  # core attentions computing plain causal softmax attention from the config: the package's replaces them
-    "megatron.core.transformer.dot_product_attention.DotProductAttention",
-    "megatron.core.extensions.transformer_engine.TEDotProductAttention",
-    "megatron_rl_patches.inference.sdpa_attention.SDPACoreAttention",
-    "megatron_rl_patches.testing.packed_gpt.packed_attention_class.<locals>.PackedDotProductAttention",
-    "megatron_rl_patches.testing.cp_attention.ContextParallelAttention",
-}
-RECURRENT = {"GatedDeltaNet": "Qwen3.5's gated delta net layers (each remainder would start from the prefix's final "
-                              "recurrent state)",
-             "MambaMixer": "Mamba layers (each remainder would start from the prefix's final state)"}
-SLIME_SPARSE = {"DSAMultiLatentAttention": (
-    "slime's GLM-5 DSA layer (its indexer and sparse MLA are tilelang CUDA kernels taking one contiguous key range "
-    "[start, end) per query from cu_seqlens, where a planned row sees its ancestors' rows and its own)")}
-PACKAGE_GATED_DELTA_NET = "megatron_rl_patches.inference.gated_delta_net.GatedDeltaNetLayer"
-RECURRENT_SERVED = {  # recurrent layers whose forward the package runs planned (shared_prefix/gated_delta_net.py)
-    "megatron.core.ssm.gated_delta_net.GatedDeltaNet",  # megatron-core 0.16's; 0.19's gdn.GatedDeltaNet is another
-    PACKAGE_GATED_DELTA_NET,  # the package's (Hugging Face Qwen3.5's and Qwen3-Next's teachers)
-    *LAYERS.values(),  # slime's, inside its layer (shared_prefix/slime_gated_delta_net.py)
-}
 NOT_KNOWN = ("a module the plan does not know ({name} at {path} takes packed_seq_params: what it reads of them is "
              "its own)")
+OWN_INIT = ("a module the plan does not know ({name} at {path} takes packed_seq_params and sets itself up in an "
+            "__init__ of its own ({init}): the plan would run it as a {kind} ({forward}'s), without what that "
+            "__init__ sets")
 HAND_WRITTEN = ("do not pack its micro-batches by shared prefix (call plan_shared_prefix only for models "
                 "check_shared_prefix accepts)")
-
-
-@functools.cache
-def _forward_owner(cls: Any) -> str:
-    """The class (qualified name) whose own code is `cls`'s forward."""
-    owner = next((c for c in cls.__mro__ if "forward" in vars(c)), cls)
-    return qualified_name(owner)
-
-
-@functools.cache
-def _takes_packed_seq_params(cls: Any) -> bool:
-    try:
-        return "packed_seq_params" in inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError, AttributeError):
-        return False
 
 
 @functools.cache
@@ -154,49 +98,33 @@ def config_reason(config: Any, training: bool) -> str | None:
     return "; ".join(config_reasons(config, training)) or None
 
 
-@functools.cache
-def _old_megatron_core() -> str | None:
-    """megatron-core's version where it is older than 0.16 (its multi-latent attention fails inside its own
-    rotary step on packed input, checked on 0.13.1), else None."""
-    try:
-        from megatron.core.package_info import __version__  # lazy: optional dependency megatron-core
-    except ImportError:
-        return None
-    found = re.match(r"(\d+)\.(\d+)", str(__version__))
-    return str(__version__) if found and (int(found[1]), int(found[2])) < (0, 16) else None
-
-
 def module_reason(path: str, module: Any) -> str | None:
     """Why the plan cannot run a model holding `module` (at `path`), or None."""
-    cls: Any = type(module)
-    if is_latent_attention(module) and _old_megatron_core():
-        return (f"multi-latent attention on megatron-core {_old_megatron_core()} ({qualified_name(cls)} at {path}): "
-                "tested exact on 0.16 and later; upgrade megatron-core or do not share this model's prefixes")
-    # a core or a gated delta net the package already prepared: the class it found
-    own: Any = cls.__mro__[1] if isinstance(module, (SharedPrefixCore, PlannedGatedDeltaNet)) else cls
-    for kind, reason in RECURRENT.items():
-        if kind in cls.__name__ and _forward_owner(own) not in RECURRENT_SERVED:
-            return f"{reason} ({qualified_name(cls)} at {path or 'the model'})"
-    if is_sparse_attention(module):
-        return sparse_attention_reason(module, path or "the model")
-    for kind, reason in SLIME_SPARSE.items():
-        if any(c.__name__ == kind for c in cls.__mro__):
-            return f"{reason} ({qualified_name(cls)} at {path or 'the model'})"
-    if is_sparse_indexer(module):  # its core prepares it (refused with the core where it cannot run)
+    where = path or "the model"
+    kinds = model_kinds()
+    knowing = [kind for kind in kinds if not kind.fallback and kind.recognizes(module)]
+    if not knowing:
+        knowing = [kind for kind in kinds if kind.fallback and kind.recognizes(module)]
+    for kind in knowing:
+        refused = kind.reason(module, where)
+        if refused is not None:
+            return refused
+    own = own_class(type(module))
+    if knowing or not reads_packed_sequences(own):
         return None
-    if is_attention(module) and getattr(module, "attention_type", "self") != "self":
-        return f"{getattr(module, 'attention_type', '')} attention ({qualified_name(cls)} at {path})"
-    if not _takes_packed_seq_params(cls):
-        return None
-    if is_slime_gated_delta_net(module):
-        return slime_gated_delta_net_reason(module, path or "the model")
-    if _forward_owner(own) == PACKAGE_GATED_DELTA_NET and int(getattr(module, "cp_size", 1)) > 1:
-        return (f"the package's gated delta net ({qualified_name(cls)} at {path}) at context parallelism "
-                f"(context-parallel size {module.cp_size}): it runs a plan's stream at one rank; run it at "
-                "context_parallel_size=1")
-    if is_language_model(module) or _forward_owner(own) in PASSES_ON | CORES | RECURRENT_SERVED:
-        return None
-    return NOT_KNOWN.format(name=qualified_name(cls), path=path or "the model")
+    name = qualified_name(own)
+    runs = next((kind for kind in kinds if isinstance(kind, ByCode) and kind.knows_forward(module)), None)
+    if runs is None:
+        return NOT_KNOWN.format(name=name, path=where)
+    return OWN_INIT.format(name=name, path=where, init=qualified_name(owner(own, "__init__")), kind=runs.name,
+                           forward=qualified_name(owner(own, "forward")))
+
+
+def config_refusal(model: Any, training: bool) -> str | None:
+    """What of a language model's own config (its position embedding with it) the plan refuses
+    (`training`: with gradients), joined; None when it runs. The same words on every rank, which all
+    hold the same config: a prepared model's first planned call raises them (`kinds.language_models`)."""
+    return "; ".join(config_reasons(model.config, training, getattr(model, "position_embedding_type", None))) or None
 
 
 def context_parallel_reasons(model: Any, path: str) -> list[str]:
@@ -205,8 +133,9 @@ def context_parallel_reasons(model: Any, path: str) -> list[str]:
     size = int(getattr(model.config, "context_parallel_size", 1) or 1)
     if size == 1:
         return []
-    if _old_megatron_core():
-        return [f"context parallelism on megatron-core {_old_megatron_core()} (context_parallel_size={size}): the plan "
+    old = megatron_core_before_0_16()
+    if old:
+        return [f"context parallelism on megatron-core {old} (context_parallel_size={size}): the plan "
                 "cuts its stream over the ranks on 0.16 and later; upgrade megatron-core or run it at "
                 "context_parallel_size=1"]
     name = qualified_name(type(model))

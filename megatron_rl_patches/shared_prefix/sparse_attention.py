@@ -39,26 +39,8 @@ from megatron_rl_patches.model.kinds import qualified_name
 from megatron_rl_patches.shared_prefix.attention_rule import dense
 from megatron_rl_patches.shared_prefix.mla import PlannedLength, planned_rotary_class
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan, shared_prefix_plan_of
+from megatron_rl_patches.shared_prefix.prepared import Prepared
 from megatron_rl_patches.shared_prefix.sparse_attention_refusal import megatron_core_before_0_19, refusal
-
-CORE = "megatron.core.transformer.experimental_attention_variant.dsa.DSAttention"
-INDEXER = "megatron.core.transformer.experimental_attention_variant.dsa.DSAIndexer"
-ATTENTION = "megatron.core.transformer.experimental_attention_variant.absorbed_mla.AbsorbedMLASelfAttention"
-
-
-def _owner(cls: type, name: str) -> str | None:
-    """The qualified name of the first class in `cls`'s MRO that is megatron-core's `name`, or None."""
-    return next((qualified_name(c) for c in cls.__mro__ if qualified_name(c) == name), None)
-
-
-def is_sparse_attention(module: Any) -> bool:
-    """megatron-core's DSA core attention (`DSAttention`), prepared or not."""
-    return _owner(type(module), CORE) is not None
-
-
-def is_sparse_indexer(module: Any) -> bool:
-    """megatron-core's DSA indexer (`DSAIndexer`): its core prepares it."""
-    return _owner(type(module), INDEXER) is not None
 
 
 def module_reason(module: Any, path: str) -> str | None:
@@ -82,11 +64,11 @@ def prepare_sparse_attention(core: Any) -> None:
         rotary.__class__ = indexer_rotary_class(rotary.__class__)
 
 
-class PlannedSparseAttention:
+class PlannedSparseAttention(Prepared):
     """The mark of a DSA core whose class `planned_sparse_attention_class` made."""
 
 
-class IndexerRotary:
+class IndexerRotary(Prepared):
     """The mark of an indexer rotary module whose class `indexer_rotary_class` made."""
 
 

@@ -22,6 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_rl_patches.shared_prefix.context_parallel import GatheredStream
+from megatron_rl_patches.shared_prefix.kinds.kind import known_as
+from megatron_rl_patches.shared_prefix.kinds.plain_cores import PLAIN_CORES
 from megatron_rl_patches.testing.cp_layout import check_layout, local_rows
 
 
@@ -41,6 +43,7 @@ def _tp_size(pg_collection: Any) -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+@known_as(PLAIN_CORES)  # a shared-prefix plan runs it as its plain causal core
 class ContextParallelAttention(MegatronModule):
     """`core_attention` for megatron-core's local spec serving context parallelism on CPU.
 

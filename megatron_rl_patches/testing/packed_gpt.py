@@ -11,12 +11,15 @@ import torch
 
 from megatron_rl_patches.inference.sdpa_attention import SDPACoreAttention
 from megatron_rl_patches.model.attention_layout import with_batch
+from megatron_rl_patches.shared_prefix.kinds.kind import known_as
+from megatron_rl_patches.shared_prefix.kinds.plain_cores import PLAIN_CORES
 from megatron_rl_patches.testing.megatron_cpu import TINY_VOCAB, tiny_gpt_config
 
 
 def packed_attention_class() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    @known_as(PLAIN_CORES)  # a shared-prefix plan runs it as its plain causal core
     class PackedDotProductAttention(DotProductAttention):
         """DotProductAttention with packed sequences: a block-diagonal causal mask from cu_seqlens.
         Like Transformer Engine's core it takes multi-latent attention's own key / value widths

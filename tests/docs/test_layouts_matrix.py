@@ -5,7 +5,8 @@ the reason) or ⬜ (untested: their number is recorded here, so it only goes dow
 a ✅ cell's tests carry a `layout(...)` marker naming the cell's layout. Notes marked "(the verl
 lane)" name tests collected only where verl is importable: the verl lane (`make test-verl`, which
 runs tests/docs too) collects them; elsewhere a static check finds their files, test functions and
-layout markers."""
+layout markers. Notes marked "(the NeMo-RL lane)" name tests of `make test-nemo` (not part of `make
+test`): the static check alone."""
 from __future__ import annotations
 
 import ast
@@ -24,12 +25,19 @@ from megatron_rl_patches.testing import layouts
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PAGE = REPO / "docs" / "layouts.md"
-UNTESTED = 1  # the ⬜ cells of docs/layouts.md today: lower it when a cell gets its test
+UNTESTED = 9  # the ⬜ cells of docs/layouts.md today: lower it when a cell gets its test
 VALUES = ("✅", "refused", "n.a.", "⬜")
 NOTE = re.compile(r"^- (F\d+-L\d+(?:, F\d+-L\d+)*): (.+)$")
 CELL_ID = re.compile(r"F\d+-L\d+")
 TICKED = re.compile(r"`([^`]+)`")
 VERL_LANE = "(the verl lane)"  # a note whose node ids are collected only where verl is importable
+NEMO_LANE = "(the NeMo-RL lane)"  # a note whose node ids run in `make test-nemo` only: checked statically
+LANES = (VERL_LANE, NEMO_LANE)
+
+
+def lane_of(note: str) -> str | None:
+    """The lane a note's node ids are collected in (None: every lane)."""
+    return next((lane for lane in LANES if lane in note), None)
 
 
 @dataclass
@@ -107,25 +115,25 @@ def _collect(ids: set[str], tmp: Path) -> dict[str, list[str]]:
     return json.loads(out.read_text())
 
 
-def proofs(matrix: Matrix, verl_lane: bool) -> set[str]:
-    """The node ids named by ✅ and refused cells: those of notes marked "(the verl lane)" (their
-    modules collect only where verl is importable) with `verl_lane`, the others without."""
+def proofs(matrix: Matrix, lane: str | None) -> set[str]:
+    """The node ids named by ✅ and refused cells of notes marked with `lane` (None: no lane's mark;
+    "(the verl lane)": their modules collect only where verl is importable)."""
     return {nid for cell, note in matrix.notes.items()
-            if matrix.cells.get(cell) in ("✅", "refused") and (VERL_LANE in note) == verl_lane
+            if matrix.cells.get(cell) in ("✅", "refused") and lane_of(note) == lane
             for nid in node_ids(note)}
 
 
 @pytest.fixture(scope="module")
 def collected(matrix, tmp_path_factory) -> dict[str, list[str]]:
     """{node id: layout names} of every node id the page names outside the verl lane."""
-    return _collect(proofs(matrix, verl_lane=False), tmp_path_factory.mktemp("layouts"))
+    return _collect(proofs(matrix, None), tmp_path_factory.mktemp("layouts"))
 
 
-def _cell_problems(matrix: Matrix, collected: dict[str, list[str]], verl_lane: bool) -> tuple[list[str], list[str]]:
+def _cell_problems(matrix: Matrix, collected: dict[str, list[str]], lane: str | None) -> tuple[list[str], list[str]]:
     """(node ids not collected, ✅ proofs without the cell's layout marker) among the notes of one lane."""
     unknown, unmarked = [], []
     for cell, note in sorted(matrix.notes.items()):
-        if (VERL_LANE in note) != verl_lane:
+        if lane_of(note) != lane:
             continue
         value = matrix.cells[cell]
         marker = matrix.layouts[cell.split("-")[1]][1]
@@ -180,7 +188,7 @@ def test_every_decided_cell_has_its_note_and_no_other_cell_has_one(matrix):
 
 
 def test_every_named_test_is_collected_and_a_proof_carries_its_layout(matrix, collected):
-    unknown, unmarked = _cell_problems(matrix, collected, verl_lane=False)
+    unknown, unmarked = _cell_problems(matrix, collected, None)
     assert not unknown, "node ids not collected:\n" + "\n".join(unknown)
     assert not unmarked, "proofs without the cell's layout marker:\n" + "\n".join(unmarked)
 
@@ -200,9 +208,9 @@ def test_the_verl_lanes_proofs_are_collected_with_their_layouts(matrix, tmp_path
     each ✅ one carrying its cell's layout marker."""
     if not _verl_importable():
         pytest.skip("verl is not installed: the verl lane (`make test-verl`) checks these ids")
-    wanted = proofs(matrix, verl_lane=True)
+    wanted = proofs(matrix, VERL_LANE)
     assert wanted, f"no note says {VERL_LANE!r}"
-    unknown, unmarked = _cell_problems(matrix, _collect(wanted, tmp_path), verl_lane=True)
+    unknown, unmarked = _cell_problems(matrix, _collect(wanted, tmp_path), VERL_LANE)
     assert not unknown, "node ids not collected:\n" + "\n".join(unknown)
     assert not unmarked, "proofs without the cell's layout marker:\n" + "\n".join(unmarked)
 
@@ -230,12 +238,12 @@ def static_problems(nid: str, marker: str) -> list[str]:
     return problems
 
 
-def test_the_verl_lanes_proofs_exist_where_verl_is_missing(matrix):
-    """Everywhere (a static check): every verl-lane node id names an existing test function in a
-    module that marks layouts and names the cell's layout marker (and the parameter id)."""
+def test_the_lanes_proofs_exist_where_their_framework_is_missing(matrix):
+    """Everywhere (a static check): every verl-lane and NeMo-RL-lane node id names an existing test
+    function in a module that marks layouts and names the cell's layout marker (and the parameter id)."""
     problems = []
     for cell, note in sorted(matrix.notes.items()):
-        if VERL_LANE in note and matrix.cells[cell] in ("✅", "refused"):
+        if lane_of(note) is not None and matrix.cells[cell] in ("✅", "refused"):
             marker = matrix.layouts[cell.split("-")[1]][1] if matrix.cells[cell] == "✅" else ""
             for nid in node_ids(note):
                 problems += static_problems(nid, marker)

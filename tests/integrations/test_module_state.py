@@ -31,9 +31,6 @@ ALLOWED = {
                                              "engine factory to its processor (docs/design.md)",
     ("_ray.py", "_state"): "whether the Ray hook is armed and installed: one process-wide switch, not data",
     ("__init__.py", "_default"): "the default patch registry, one per process",
-    ("slime/micro_batches.py", "_TOKENS"): "a ContextVar set and reset inside one call of slime's split "
-                                           "(_split_train_data_by_dp): slime's schedule is handed lengths, never the "
-                                           "rollout's tokens the physical count needs; nothing outlives the call",
     ("student_head.py", "_HEADS"): "a served teacher's head read once per process per layout (weights, not a "
                                    "step's data; NeMo-RL's loss and verl's step both build it where no framework "
                                    "object lives that long)",

@@ -35,6 +35,22 @@ def constant_padding(groups: tuple, alone: tuple, padding: int, seed: int = 0) -
                        sequences=batch.sequences, rows=batch.rows)
 
 
+def varying_padding(groups: tuple, alone: tuple, paddings: tuple = (5, 4), seed: int = 0) -> PackedBatch:
+    """`grpo_batch` whose padding is several sequences of varying ids (`paddings`: their lengths), each
+    its own sequence in `cu_seqlens` at positions from 0: megatron-core's packed path computes each
+    row by its own id, and its MoE statistics and MTP loss count every one."""
+    batch = grpo_batch(groups, alone, padding=sum(paddings), seed=seed)
+    samples_end = int(batch.cu_seqlens[batch.samples])
+    cu = batch.cu_seqlens[:batch.samples + 1].tolist()
+    for length in paddings:
+        cu.append(cu[-1] + length)
+    positions = torch.cat([batch.positions[:, :samples_end], *(torch.arange(n)[None] for n in paddings)], dim=1)
+    assert batch.tokens[0, samples_end:].unique().numel() > 1  # varying ids
+    return PackedBatch(tokens=batch.tokens, labels=batch.labels, positions=positions,
+                       cu_seqlens=torch.tensor(cu, dtype=torch.int32), samples=batch.samples,
+                       sequences=batch.sequences, rows=batch.rows)
+
+
 def routers(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "routing") and hasattr(m, "topk")]
 

@@ -13,8 +13,8 @@ import torch
 
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: `tokens` / `labels` / `positions` [1, T], `cu_seqlens` (int32, a
-    padding sequence last when there is padding), `samples` (how many sequences are samples), the
+    """One packed micro-batch: `tokens` / `labels` / `positions` [1, T], `cu_seqlens` (int32, the
+    padding sequences last when there is padding), `samples` (how many sequences are samples), the
     samples themselves and the logical rows they fill (`rows`)."""
 
     tokens: torch.Tensor
@@ -124,12 +124,14 @@ def ordinary(model: Any, batch: PackedBatch, **kwargs: Any) -> Any:
     return model(batch.tokens, batch.positions, None, packed_seq_params=batch.thd_params(), **kwargs)
 
 
-def planned(model: Any, batch: PackedBatch, route: str = "auto", pad_to: int = 1, **kwargs: Any) -> Any:
-    """The model's forward of `batch` under its shared-prefix plan (the model prepared first)."""
+def planned(model: Any, batch: PackedBatch, route: str = "auto", pad_to: int = 1, repeated_padding_once: bool = False,
+            **kwargs: Any) -> Any:
+    """The model's forward of `batch` under its shared-prefix plan (the model prepared first;
+    `repeated_padding_once` as `plan_shared_prefix` takes it)."""
     from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
 
     prepare_shared_prefix(model)
-    params = shared_prefix_params(batch.plan(pad_to=pad_to), route=route)
+    params = shared_prefix_params(batch.plan(pad_to=pad_to, repeated_padding_once=repeated_padding_once), route=route)
     return model(batch.tokens, None, None, packed_seq_params=params, **kwargs)
 
 

@@ -86,9 +86,9 @@ def test_a_ranks_attention_equals_its_rows_of_the_whole(name, sink):
 def test_cuts_a_micro_batch_cannot_take_are_refused_with_what_to_do():
     batch = grpo_batch(((30, (3, 5)),), (), padding=2, seed=0)  # samples of 33 and 35 rows
     unpadded = batch.plan()
-    assert unpadded.physical_length == 30 + 3 + 5 + 1  # the prompt once, each rest, one padding row
-    with pytest.raises(ValueError, match=r"pad_to a multiple of 4"):
-        physical_share(unpadded, 2, 0)
+    assert unpadded.physical_length == 30 + 3 + 5 + 2  # the prompt once, each rest, each padding row
+    with pytest.raises(ValueError, match=r"pad_to a multiple of 6"):
+        physical_share(unpadded, 3, 0)
     with pytest.raises(ValueError, match=r"cannot be cut over 2 context-parallel ranks in the zigzag layout"):
         share_of(batch.plan(pad_to=4), 2, 0, "zigzag")
     assert share_of(batch.plan(pad_to=4), 2, 1, "contiguous").logical.tolist() == list(range(35, 70))

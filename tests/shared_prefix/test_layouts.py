@@ -8,8 +8,9 @@ TP = 2, TP = 2 + SP and PP = 2 (its loss per depth too, each depth's layer compu
 samples share once), an MoE model at EP = 2 (the
 allgather dispatcher; its aux loss, z-loss and expert-bias counts and update too, each
 rank its own micro-batch; and at TP = 2 + SP with EP = 2: aux, seq and global aux losses, z-loss, the
-counts and the bias, Sinkhorn refused by name), each against the
-ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
+counts and the bias, Sinkhorn refused by name; the statistics and MTP over padding sequences of
+varying ids, each padding row computed by its own id), each against the ordinary packed path of the
+same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
 megatron-core's GatedDeltaNet (3 of 4 layers) at TP = 2 and TP = 2 + SP against each sample run alone;
 CP = 2 (each rank its zigzag or contiguous share of the ids, the plan's stream cut over the ranks)
 against the same samples packed whole at CP = 1, the gradients summed over the CP ranks; a layer
@@ -161,8 +162,9 @@ def _sparse_attention_checks() -> dict:
 def _mtp_checks(sequence_parallel: bool) -> dict:
     """Multi-token prediction at TP = 2 (depth 1), or TP = 2 + SP (depth 2: each depth's rows scattered
     over the ranks), accepted by the doors on both ranks: the main loss, the MTP loss megatron-core logs
-    per depth and every gradient against the packed path."""
-    from kit.moe_statistics import constant_padding
+    per depth and every gradient against the packed path, over two padding sequences of varying ids
+    (no loss mask: the MTP loss counts each padding row by its own id, as packed)."""
+    from kit.moe_statistics import varying_padding
     from kit.mtp_gpt import build_mtp_gpt, distinct_mtp_rows, layer_rows, mtp_pass, mtp_takes_packed_input
     from kit.shared_prefix import ordinary, planned
 
@@ -178,10 +180,10 @@ def _mtp_checks(sequence_parallel: bool) -> dict:
                                  tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
         model = build_mtp_gpt(config)
         check_shared_prefix([model], training=True)
-        batch = constant_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), padding=4)
+        batch = varying_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), paddings=(3, 1))
         want = mtp_pass(model, batch, ordinary)
         seen, hooks = layer_rows(model)
-        got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
+        got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, repeated_padding_once=True, **kw))
         for hook in hooks:
             hook.remove()
         _sum_sequence_parallel_grads(model, got["grads"], want["grads"])
@@ -205,7 +207,7 @@ def _mtp_pipeline_checks() -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.shared_prefix import check_shared_prefix, repeated_padding_alike
     from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
     from megatron_rl_patches.testing.pipeline import stage_flags, tiny_pipeline_config
@@ -233,9 +235,11 @@ def _mtp_pipeline_checks() -> dict:
                                       moe_token_dispatcher_type="alltoall", mtp_num_layers=1)
         model = build_mtp_gpt(config, pre_process=pre, post_process=post)
         check_shared_prefix([model], training=True)
+        once = repeated_padding_alike([model])  # agreed by both stages: each lays the padding out alike (one row)
         batches = [constant_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), padding=4, seed=seed) for seed in (0, 1)]
         runs = {}
-        for name, route in (("ordinary", ordinary), ("planned", lambda m, b, **kw: planned(m, b, pad_to=4, **kw))):
+        for name, route in (("ordinary", ordinary),
+                            ("planned", lambda m, b, **kw: planned(m, b, pad_to=4, repeated_padding_once=once, **kw))):
             MTPLossLoggingHelper.tracker.clear()
             model.train()
             seen, hooks = layer_rows(model) if post else ([], [])
@@ -251,6 +255,7 @@ def _mtp_pipeline_checks() -> dict:
         if post:  # the last stage: each micro-batch's depth-1 rows
             out["rows"] = (seen, [distinct_mtp_rows(batch, 1) for batch in batches], batches[0].tokens.size(1))
         (want, want_grads, want_mtp), (got, grads, got_mtp) = runs["ordinary"], runs["planned"]
+        out["once"] = once
         out["mtp"] = (max((relative_error(g, w) for g, w in zip(got, want)), default=0.0),
                       relative_error(got_mtp, want_mtp) if post else 0.0, grad_error(grads, want_grads), post,
                       sum(".mtp." in f".{name}" for name in grads))
@@ -312,6 +317,9 @@ def _pipeline_checks() -> dict:
         out["grads"] = grad_error(grads, want_grads)
         out["log_probs"] = max((relative_error(g, w) for g, w in zip(got, want)), default=0.0)
         out["last"] = post
+        from megatron_rl_patches.shared_prefix import repeated_padding_alike
+
+        alike = [repeated_padding_alike([model])]  # a run of one padding id on one row, on both stages
         # a layer kind on the second stage only: both stages refuse, with the same words
         if post:
             import torch
@@ -326,6 +334,7 @@ def _pipeline_checks() -> dict:
             out["recurrent"] = None
         except ValueError as exc:
             out["recurrent"] = str(exc)
+        out["alike"] = [*alike, repeated_padding_alike([model])]  # the first stage too lays it out row by row
     return out
 
 
@@ -394,10 +403,11 @@ def _expert_parallel_checks() -> dict:
 
 
 def _expert_statistics(expert_parallel: int) -> tuple:
-    """An aux loss, a z-loss and expert-bias updates at once: (log-prob error, gradient error, the
-    largest logged-loss error, counts equal, bias equal after megatron's all-reduced update)."""
+    """An aux loss, a z-loss and expert-bias updates at once, each rank its micro-batch with two padding
+    sequences of varying ids (each row counted by its own id, as packed): (log-prob error, gradient
+    error, the largest logged-loss error, counts equal, bias equal after megatron's all-reduced update)."""
     import torch
-    from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+    from kit.moe_statistics import STATISTICS, statistics_pass, varying_padding
     from kit.shared_prefix import ordinary, planned
 
     from megatron_rl_patches.testing.compare import grad_error, relative_error
@@ -407,9 +417,9 @@ def _expert_statistics(expert_parallel: int) -> tuple:
     statistics = {**STATISTICS["aux-loss"], **STATISTICS["z-loss"], **STATISTICS["expert-bias"]}
     config = tiny_moe_config(expert_parallel=expert_parallel, **statistics)
     model = build_packed_gpt(seq_length=512, seed=9, config=config)
-    batch = constant_padding(((40, (4, 9, 2)),), (6,), padding=3, seed=torch.distributed.get_rank())
+    batch = varying_padding(((40, (4, 9, 2)),), (6,), paddings=(2, 1), seed=torch.distributed.get_rank())
     want = statistics_pass(model, batch, ordinary)
-    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2))
+    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2, repeated_padding_once=True))
     losses = max(relative_error(got["losses"][name], values) for name, values in want["losses"].items())
     return (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]), losses,
             bool(got["counts"]) and all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"])),
@@ -419,10 +429,11 @@ def _expert_statistics(expert_parallel: int) -> tuple:
 def _sequence_parallel_statistics() -> dict:
     """MoE statistics in training at TP = 2 + SP with EP = 2 (each rank a share of the rows, 2 experts a
     rank), accepted by the doors on both ranks: an aux loss, z-loss and expert-bias updates in one
-    model, seq_aux_loss and global_aux_loss in another, each against the packed path; Sinkhorn refused
-    by name on both ranks."""
+    model, seq_aux_loss and global_aux_loss in another, each against the packed path over two padding
+    sequences of varying ids (each row counted by its own id, as packed); Sinkhorn refused by name on
+    both ranks."""
     import torch
-    from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+    from kit.moe_statistics import STATISTICS, statistics_pass, varying_padding
     from kit.shared_prefix import ordinary, planned
     from megatron.core import parallel_state
 
@@ -444,12 +455,12 @@ def _sequence_parallel_statistics() -> dict:
     out: dict = {}
     with megatron_on_cpu(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1):
         tp = parallel_state.get_tensor_model_parallel_group()
-        batch = constant_padding(((40, (4, 9, 2)),), (6,), padding=3)  # the same on both ranks of the TP group
+        batch = varying_padding(((40, (4, 9, 2)),), (6,), paddings=(2, 1))  # the same on both ranks of the TP group
         for name, statistics in kinds.items():
             model = build_packed_gpt(seq_length=512, seed=9, config=tiny_moe_config(**layout, **statistics))
             check_shared_prefix([model], training=True)
             want = statistics_pass(model, batch, ordinary, tp)
-            got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2), tp)
+            got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=2, repeated_padding_once=True), tp)
             _sum_sequence_parallel_grads(model, got["grads"], want["grads"])
             out[name] = (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]),
                          {loss: relative_error(got["losses"][loss], values) for loss, values in want["losses"].items()},
@@ -662,6 +673,7 @@ def test_mtp_at_pipeline_parallelism_equals_the_packed_path(world):
         pytest.skip("this megatron-core's MTP refuses packed sequences (its own assertion; 0.13)")
     first, last = (rank["pp2-mtp"]["mtp"] for rank in world)
     assert not first[3] and last[3] and first[4] == 0 and last[4] > 0  # the MTP block on the last stage
+    assert all(rank["pp2-mtp"]["once"] for rank in world)  # the padding of one id on one row, on both stages
     for loss, mtp_loss, grads, *_ in (first, last):
         assert loss < TOL and mtp_loss < TOL and grads < GRAD_TOL, (loss, mtp_loss, grads)
     _computes_the_depth_rows(world[1]["pp2-mtp"]["rows"])
@@ -748,6 +760,7 @@ def test_sequence_parallel_statistics_count_a_shared_token_once_per_sample(world
 def test_a_layer_kind_on_one_stage_is_refused_on_both(world):
     reasons = [rank["pp2"]["recurrent"] for rank in world]
     assert reasons[0] == reasons[1] and "Mamba layers" in reasons[0]
+    assert [rank["pp2"]["alike"] for rank in world] == [[True, False]] * 2  # agreed: padding laid out alike
 
 
 @pytest.mark.parametrize("layout", [pytest.param("zigzag", marks=layouts.mark("cp2-zigzag")),

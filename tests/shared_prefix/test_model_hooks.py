@@ -312,7 +312,7 @@ def test_a_chunk_added_after_prepare_is_prepared_and_the_decoders_output_is_chec
     """prepare_shared_prefix over [a prepared chunk, a new one] installs the new one's seams too; the
     decoder's hook names what it got where its output is no tensor."""
     from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
-    from megatron_rl_patches.shared_prefix.model_hooks import logical_rows
+    from megatron_rl_patches.shared_prefix.kinds.language_models import logical_rows
 
     first, second = _model("rope-gqa"), _model("rope-gqa")
     prepare_shared_prefix(first)
@@ -345,7 +345,7 @@ def test_the_language_models_refusals_are_said_whole(megatron_cpu):
     with pytest.raises(ValueError, match=rf"^shared prefix: input_ids must be the packed ids the plan was built from, "
                                          rf"\[1, {batch.tokens.size(1)}\], got list$"):
         model(batch.tokens[0].tolist(), None, None, packed_seq_params=params)
-    from megatron_rl_patches.shared_prefix.model_hooks import rotary_at_positions
+    from megatron_rl_patches.shared_prefix.kinds.attention_layers import rotary_at_positions
 
     short = {"attention_mask": None, "rotary_pos_emb": torch.zeros(3, 1, 1, 8), "packed_seq_params": params}
     with pytest.raises(ValueError, match=rf"^shared prefix: the model's rotary table has 3 rows, the plan's longest "

@@ -3,12 +3,12 @@ whole, on a real megatron-core MoE GPTModel: each of `aux_loss`, `seq_aux_loss`,
 the z-loss, expert-bias updates and Sinkhorn routing — the losses megatron-core logs per layer, the
 tokens-per-expert counts, the expert bias after megatron's own update, log-probs (1e-6) and every
 gradient (2e-6, float32), the statistics' own gradients in the router included. A shared prefix
-token counts once per sample that holds it."""
+token counts once per sample that holds it; a padding row counts by its own id, as packed."""
 from __future__ import annotations
 
 import pytest
 import torch
-from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass
+from kit.moe_statistics import STATISTICS, constant_padding, statistics_pass, varying_padding
 from kit.shared_prefix import ordinary, planned
 
 from megatron_rl_patches.testing import layouts
@@ -47,14 +47,56 @@ def test_each_statistic_counts_a_shared_token_once_per_sample(megatron_cpu, moe_
     if statistic == "global-aux-loss" and not hasattr(TopKRouter, "reset_global_aux_loss_tracker"):
         pytest.skip("this megatron-core has no global_aux_loss (0.13)")
     model = _model(**STATISTICS[statistic])
+    from megatron_rl_patches.shared_prefix import repeated_padding_alike
+
+    assert repeated_padding_alike(model)  # rotary positions, no sink, no recurrent layer: one row for the padding
     want = statistics_pass(model, batch, ordinary)
-    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4))  # rows no logical row reads
+    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4, repeated_padding_once=True))
     _agree(got, want)
+    assert batch.plan(pad_to=4, repeated_padding_once=True).stats.padding_rows == 1  # and 2 rows no row reads
     if statistic in ("aux-loss", "seq-aux-loss", "global-aux-loss", "z-loss"):
         assert any(v.abs().sum() > 0 for v in want["losses"].values())
     if statistic == "expert-bias":
         assert int(sum(c.sum() for c in want["counts"])) == 2 * 2 * batch.tokens.numel()  # 2 layers, top-2
         assert not torch.equal(want["bias"][0], torch.zeros_like(want["bias"][0]))
+
+
+@layouts.mark("moe")
+@pytest.mark.parametrize("statistic", sorted(STATISTICS))
+def test_each_statistic_counts_each_padding_row_by_its_own_id(megatron_cpu, moe_router_on_cpu, statistic):
+    """Two padding sequences of varying ids (megatron-core's packed path computes each row by its own
+    id, at its own position, and counts it): every statistic, the counts, the bias and, under
+    Sinkhorn's balancing over the batch, the samples' own log-probs equal the packed path's."""
+    batch = varying_padding(((30, (5, 9, 3)), (10, (4, 6))), (7,), paddings=(5, 4))
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if statistic == "global-aux-loss" and not hasattr(TopKRouter, "reset_global_aux_loss_tracker"):
+        pytest.skip("this megatron-core has no global_aux_loss (0.13)")
+    model = _model(**STATISTICS[statistic])
+    want = statistics_pass(model, batch, ordinary)
+    got = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4, repeated_padding_once=True))
+    _agree(got, want)  # varying ids: row by row, repeated_padding_once or not
+    assert batch.plan(pad_to=4, repeated_padding_once=True).stats.padding_rows == 9
+
+
+def test_repeated_padding_once_only_where_the_rows_of_one_id_are_alike(megatron_cpu, moe_router_on_cpu):
+    """Learned absolute positions: each row of a run of one padding id reads its own position, so the
+    packed path's rows differ. `repeated_padding_alike` says no; computed row by row the statistics are
+    exact; forced onto one row (the negative control) the aux loss and the counts differ."""
+    from megatron_rl_patches.shared_prefix import repeated_padding_alike
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    statistics = {**STATISTICS["aux-loss"], **STATISTICS["expert-bias"]}
+    model = build_packed_gpt(seq_length=512, seed=5, config=tiny_moe_config(**statistics),
+                             position_embedding_type="learned_absolute")
+    assert not repeated_padding_alike(model)
+    batch = constant_padding(((30, (5, 9, 3)),), (7,), padding=6)
+    want = statistics_pass(model, batch, ordinary)
+    _agree(statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4)), want)
+    forced = statistics_pass(model, batch, lambda m, b: planned(m, b, pad_to=4, repeated_padding_once=True))
+    assert relative_error(forced["losses"]["load_balancing_loss"], want["losses"]["load_balancing_loss"]) > 1e-5
+    assert not all(torch.equal(g, w) for g, w in zip(forced["counts"], want["counts"]))
 
 
 def test_the_negative_control_physical_rows_counted_once_differ(megatron_cpu, moe_router_on_cpu, monkeypatch):
@@ -76,13 +118,18 @@ def test_the_plan_never_outlives_the_layer_call(megatron_cpu, moe_router_on_cpu)
 
     batch = constant_padding(((30, (5, 3)),), (), padding=0)
     model = _model(**STATISTICS["z-loss"])
+    routers = [layer.mlp.router for layer in model.decoder.layers]
+    seen = []
+    model.decoder.layers[0].mlp.register_forward_pre_hook(  # the router holds the call's plan while it runs
+        lambda module, args: seen.append(moe_statistics.layer_params(module.router)))
     statistics_pass(model, batch, planned)
-    assert moe_statistics.LAYER_PARAMS.get() is None
+    assert seen and all(moe_statistics.shared_prefix_plan_of(params) is not None for params in seen)
+    assert all(moe_statistics.layer_params(router) is None for router in routers)
     layer = model.decoder.layers[0]
-    layer.mlp.router.gating = None  # the call raises inside the layer: the context is cleared all the same
+    layer.mlp.router.gating = None  # the call raises inside the layer: the router's plan is taken back all the same
     with pytest.raises(TypeError):
         planned(model, batch)
-    assert moe_statistics.LAYER_PARAMS.get() is None
+    assert all(moe_statistics.layer_params(router) is None for router in routers)
 
 
 def test_a_module_recomputed_alone_is_refused_by_name(megatron_cpu, moe_router_on_cpu):

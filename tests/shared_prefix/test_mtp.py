@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit.moe_statistics import STATISTICS, constant_padding, read_statistics, reset_statistics
+from kit.moe_statistics import STATISTICS, constant_padding, read_statistics, reset_statistics, varying_padding
 from kit.mtp_gpt import build_mtp_gpt, distinct_mtp_rows, layer_rows, mtp_pass, mtp_takes_packed_input
 from kit.shared_prefix import grpo_batch, ordinary, planned
 
@@ -37,18 +37,19 @@ def _agree(got: dict, want: dict, dtype=torch.float32) -> None:
     assert any(".mtp." in f".{name}" for name in want["grads"])
 
 
-@layouts.mark("thd")
-@layouts.mark("mtp")
-@pytest.mark.parametrize(("depth", "dtype"), CASES, ids=[f"mtp{d}-{str(t)[6:]}" for d, t in CASES])
-def test_mtp_equals_the_packed_path(megatron_cpu, depth, dtype):
+def _equals_the_packed_path(batch, depth: int, dtype, **config) -> None:
+    """A model of MTP depth `depth` trained on `batch` planned against packed (a padding sequence of
+    one repeated id on one row, as the doors plan it for this model): losses, gradients, and each
+    depth's layer computing the rows its samples share once, fewer than packed."""
+    from megatron_rl_patches.shared_prefix import repeated_padding_alike
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
-    batch = constant_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), padding=4)
-    model = build_mtp_gpt(tiny_gpt_config(mtp_num_layers=depth, num_query_groups=2, params_dtype=dtype,
-                                          pipeline_dtype=dtype))
+    model = build_mtp_gpt(tiny_gpt_config(mtp_num_layers=depth, params_dtype=dtype, pipeline_dtype=dtype, **config))
+    once = repeated_padding_alike(model)
+    assert once
     want = mtp_pass(model, batch, ordinary)
     seen, hooks = layer_rows(model)
-    got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, **kw))
+    got = mtp_pass(model, batch, lambda m, b, **kw: planned(m, b, pad_to=4, repeated_padding_once=once, **kw))
     for hook in hooks:
         hook.remove()
     _agree(got, want, dtype)
@@ -56,9 +57,30 @@ def test_mtp_equals_the_packed_path(megatron_cpu, depth, dtype):
     assert seen == expected and all(rows < batch.tokens.size(1) for rows in expected), (seen, expected)
 
 
+@layouts.mark("thd")
+@layouts.mark("mtp")
+@pytest.mark.parametrize(("depth", "dtype"), CASES, ids=[f"mtp{d}-{str(t)[6:]}" for d, t in CASES])
+def test_mtp_equals_the_packed_path(megatron_cpu, depth, dtype):
+    batch = constant_padding(((30, (5, 9, 3)), (8, (4, 6))), (7,), padding=4)
+    _equals_the_packed_path(batch, depth, dtype, num_query_groups=2)
+
+
+PADDING_CASES = [(1, torch.float32), (1, torch.float64)]
+
+
+@layouts.mark("thd")
+@layouts.mark("mtp")
+@pytest.mark.parametrize(("depth", "dtype"), PADDING_CASES, ids=[f"mtp{d}-{str(t)[6:]}" for d, t in PADDING_CASES])
+def test_each_padding_row_counts_by_its_own_id(megatron_cpu, depth, dtype):
+    """Two padding sequences of varying ids and no loss mask: megatron-core's packed path computes
+    each padding row by its own id and rolls each padding sequence on its own, its MTP loss counting
+    every row; the plan's main stream and each depth's compute them alike."""
+    _equals_the_packed_path(varying_padding(((30, (5, 9, 3)),), (6,), paddings=(5, 4)), depth, dtype)
+
+
 def test_a_loss_mask_over_padding_of_any_ids(megatron_cpu):
-    """Padding of random ids (the plan computes one padding row for all): exact where the loss
-    mask leaves the padding out, as a framework's mask does."""
+    """Padding of random ids under a loss mask that leaves the padding out, as a framework's mask
+    does (and without one: `test_each_padding_row_counts_by_its_own_id`)."""
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
     batch = grpo_batch(((30, (5, 9)),), (6,), padding=5, seed=2)
@@ -85,10 +107,11 @@ def test_the_negative_control_the_logical_states_in_a_depth_stream_fail_loudly(m
 def test_the_plan_reads_as_its_logical_sequences(megatron_cpu):
     from megatron_rl_patches.shared_prefix import mtp
 
-    batch = constant_padding(((6, (2, 3)),), (2,), padding=2)
-    plan = batch.plan()
-    assert mtp.logical_params(plan).cu_seqlens_q.tolist() == batch.cu_seqlens.tolist()
-    assert torch.equal(mtp.logical_positions(plan)[None], batch.positions)
+    for batch in (constant_padding(((6, (2, 3)),), (2,), padding=3), varying_padding(((6, (2, 3)),), (2,))):
+        for once in (False, True):  # each padding sequence as packed, a run of one id on one row or not
+            plan = batch.plan(repeated_padding_once=once)
+            assert mtp.logical_params(plan).cu_seqlens_q.tolist() == batch.cu_seqlens.tolist()
+            assert torch.equal(mtp.logical_positions(plan)[None], batch.positions)
 
 
 @layouts.mark("moe")
@@ -102,7 +125,7 @@ def test_a_deepseek_shaped_model_mla_moe_expert_bias_mtp(megatron_cpu, moe_route
     from megatron_rl_patches.shared_prefix import shared_prefix_reason
 
     assert shared_prefix_reason(model, training=True) is None  # what runs exact below is what the doors accept
-    batch = constant_padding(((30, (5, 9, 3)),), (6,), padding=3)
+    batch = varying_padding(((30, (5, 9, 3)),), (6,), paddings=(2, 1))  # the MTP layer's statistics count them too
     runs = []
     for route in (ordinary, lambda m, b, **kw: planned(m, b, pad_to=4, **kw)):
         bias_before = reset_statistics(model)

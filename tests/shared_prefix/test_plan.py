@@ -1,6 +1,8 @@
 """The plan of a micro-batch's physical stream: every logical row's physical row computes that row
 (its token, its position, and exactly its own sample's earlier tokens visible), the prefix's last row
-serves each member's first own token, padding is never shared, bad input is refused by name."""
+serves each member's first own token, padding is never shared and each padding row is computed as
+packed (its own id, its position in its padding sequence, that sequence's earlier rows), bad input
+is refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -50,10 +52,53 @@ def test_a_group_computes_its_prompt_once_and_its_last_row_serves_every_member()
     plan = plan_shared_prefix(tokens, cu, hints=[0] * 8)
     assert plan.stats.as_dict() == {"samples": 8, "logical_tokens": 336, "physical_tokens": 40 + 16,
                                     "saved_tokens": 280, "groups": 1, "shared_samples": 8, "alone": 0,
-                                    "split_hints": 0}
+                                    "split_hints": 0, "padding_tokens": 3, "padding_rows": 3,
+                                    "filler_rows": 0}
     last_prompt_rows = {int(plan.logical_rows[cu[i] + 39]) for i in range(8)}
     assert last_prompt_rows == {39}  # one row, eight targets (each sample's first response token)
-    assert plan.physical_length == 56 + 1  # and one row every logical padding row reads
+    assert plan.physical_length == 56 + 3  # and each padding row its own, as packed
+    assert plan.logical_rows[336:].tolist() == [56, 57, 58] and plan.padding_rows == 3
+
+
+@settings(deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=0, max_size=4),
+       st.lists(st.lists(st.integers(0, 1), min_size=0, max_size=5), min_size=0, max_size=3),
+       st.lists(st.integers(0, 1), max_size=4), st.integers(1, 4), st.booleans())
+def test_each_padding_row_is_computed_as_packed(samples, paddings, past, pad_to, once):
+    """Padding sequences of any ids (empty ones too) and rows past cu_seqlens[-1] (one more sequence):
+    each padding row on a physical row of its own, holding its id at its position in its sequence and
+    seeing exactly that sequence's earlier rows; read by no sample; the stats count it. With
+    `repeated_padding_once` a sequence of one repeated id is one row (its id, position 0) all its rows
+    read; a sequence of varying ids is computed row by row all the same."""
+    sequences = samples + paddings + ([past] if past else [])
+    tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    cu = [0]
+    for s in samples + paddings:
+        cu.append(cu[-1] + len(s))
+    plan = plan_shared_prefix(tokens, cu, samples=len(samples), pad_to=pad_to, repeated_padding_once=once)
+    padding = [s for s in paddings if s] + ([past] if past else [])
+    collapsed = [once and len(set(s)) == 1 for s in padding]
+    rows = sum(1 if one else len(s) for s, one in zip(padding, collapsed))
+    stats = plan.stats
+    assert stats.padding_tokens == sum(map(len, padding)) and stats.padding_rows == rows
+    assert 0 <= stats.filler_rows < pad_to and plan.padding_rows == rows + stats.filler_rows
+    assert plan.physical_length == stats.physical_tokens + rows + stats.filler_rows
+    assert plan.physical_length % pad_to == 0
+    start = cu[len(samples)]
+    read = plan.logical_rows[start:].tolist()
+    assert len(set(read)) == rows and min(read, default=stats.physical_tokens) >= stats.physical_tokens
+    for sequence, one in zip(padding, collapsed):
+        for k, token in enumerate(sequence):
+            row = int(plan.logical_rows[start + k])
+            assert int(plan.tokens[row]) == token and int(plan.positions[row]) == (0 if one else k)
+            seen = sorted((int(plan.positions[j]), int(plan.tokens[j])) for j in _visible(plan, row))
+            assert seen == [(p, sequence[p]) for p in range(1 if one else k + 1)]
+        start += len(sequence)
+
+
+def test_repeated_padding_once_is_a_bool():
+    with pytest.raises(TypeError, match="repeated_padding_once must be a bool, got 1"):
+        plan_shared_prefix(torch.tensor([1, 2, 0, 0]), [0, 2, 4], samples=1, repeated_padding_once=1)
 
 
 def test_claimed_groups_whose_prompts_differ_are_counted_and_split():
@@ -68,8 +113,10 @@ def test_sequences_past_samples_are_padding_never_shared():
     tokens, cu = _packed(samples)
     plan = plan_shared_prefix(tokens, cu, samples=2)
     assert plan.stats.samples == 2 and plan.stats.shared_samples == 2
-    assert plan.stats.logical_tokens == 8
-    assert set(plan.logical_rows[8:].tolist()) == {plan.physical_length - 1}
+    assert plan.stats.logical_tokens == 8 and plan.stats.padding_tokens == 4
+    # the padding sequence starts as the samples do, yet is computed on rows of its own, at its own positions
+    assert plan.logical_rows[8:].tolist() == [5, 6, 7, 8] and plan.physical_length == 9
+    assert plan.positions[5:].tolist() == [0, 1, 2, 3] and plan.tokens[5:].tolist() == [1, 2, 3, 6]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -122,8 +169,8 @@ def test_no_padding_asks_for_no_padding_row_and_padding_alone_is_a_plan():
     plan = plan_shared_prefix(tokens, cu)
     assert plan.padding_rows == 0 and plan.physical_length == plan.stats.physical_tokens == 4
     padding = plan_shared_prefix(torch.tensor([7, 7, 7]), [0, 3], samples=0)
-    assert padding.stats.samples == 0 and padding.stats.logical_tokens == 0 and padding.padding_rows == 1
-    assert set(padding.logical_rows.tolist()) == {0} and padding.tokens.tolist() == [7]
+    assert padding.stats.samples == 0 and padding.stats.logical_tokens == 0 and padding.padding_rows == 3
+    assert padding.logical_rows.tolist() == [0, 1, 2] and padding.tokens.tolist() == [7, 7, 7]
     empty = plan_shared_prefix(torch.empty(0, dtype=torch.long), [0])
     assert empty.physical_length == 0 and empty.tokens.dtype == torch.int64 and empty.groups == ()
 

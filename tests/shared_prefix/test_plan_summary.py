@@ -31,10 +31,13 @@ def _paths(nodes, above=()):
 
 
 def test_print_shows_one_line_of_figures_not_the_tensors():
+    # two padding rows of one id: each its own row as packed, then 3 filling to pad_to = 4 (15 + 2 + 3)
     plan = plan_shared_prefix(*_packed(BRANCHING, padding=2), samples=4, pad_to=4)
     assert str(plan) == repr(plan) == (
         "SharedPrefixPlan(4 samples: 3 in 1 group sharing a prefix, 1 alone; tokens 29 packed, 15 computed "
-        "(1.93x fewer), 1 padding row; segments by depth: 2, 2, 2)")
+        "(1.93x fewer), 5 padding rows; segments by depth: 2, 2, 2)")
+    once = plan_shared_prefix(*_packed(BRANCHING, padding=2), samples=4, pad_to=4, repeated_padding_once=True)
+    assert repr(once).endswith("15 computed (1.93x fewer), 1 padding row; segments by depth: 2, 2, 2)")  # 15 + 1
     unpadded = plan_shared_prefix(*_packed(BRANCHING))
     assert repr(unpadded).endswith("15 computed (1.93x fewer), 0 padding rows; segments by depth: 2, 2, 2)")
     flat = plan_shared_prefix(*_packed(BRANCHING), levels=1)

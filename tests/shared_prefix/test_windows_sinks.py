@@ -85,7 +85,7 @@ def test_windows_and_sinks_equal_each_sample_run_alone(megatron_cpu, overrides):
 def test_a_window_reaching_later_tokens_is_refused_by_name():
     from types import SimpleNamespace
 
-    from megatron_rl_patches.shared_prefix.model_hooks import layer_window
+    from megatron_rl_patches.shared_prefix.kinds.windows_sinks import layer_window
 
     assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=None), 1) == 4
     assert layer_window(SimpleNamespace(window_size=(4, 0), window_attn_skip_freq=[0, 1]), 1) is None
@@ -101,7 +101,7 @@ def test_a_window_reaching_later_tokens_is_refused_by_name():
 def test_a_sink_the_core_does_not_hold_is_refused_whole():
     from types import SimpleNamespace
 
-    from megatron_rl_patches.shared_prefix.model_hooks import attention_sink
+    from megatron_rl_patches.shared_prefix.kinds.windows_sinks import attention_sink
 
     class Core:
         config = SimpleNamespace(softmax_type="learnable")

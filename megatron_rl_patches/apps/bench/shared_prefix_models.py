@@ -141,8 +141,11 @@ def per_sample_attention_class() -> type:
     costs no dense [T, T] mask."""
     import torch
 
+    from megatron_rl_patches.shared_prefix.kinds.kind import known_as
+    from megatron_rl_patches.shared_prefix.kinds.plain_cores import PLAIN_CORES
     from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
+    @known_as(PLAIN_CORES)  # each sample's plain causal attention: a plan runs it as its plain core
     class PerSampleAttention(packed_attention_class()):  # type: ignore[misc]
         def forward(self, query: Any, key: Any, value: Any, attention_mask: Any, attn_mask_type: Any = None,
                     attention_bias: Any = None, packed_seq_params: Any = None, **kwargs: Any) -> Any:

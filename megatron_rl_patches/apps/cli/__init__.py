@@ -49,6 +49,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("megatron_rl_patches.apps.cli.memory", "training-state bytes an inference-only build saves"),
     "serve-teacher": ("megatron_rl_patches.apps.cli.serve_teacher",
                       "a teacher server on vLLM's engine that computes a group's shared prompt once"),
+    "shared-prefix": ("megatron_rl_patches.apps.cli.shared_prefix",
+                      "check: what each framework's passes do with a group's prompt, from a model's config and a "
+                      "layout"),
     "run": ("megatron_rl_patches.apps.cli.run",
             "run a command whose Python processes all apply the patches at start-up"),
 }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -14,6 +13,11 @@ from typing import Any
 import megatron_rl_patches
 from megatron_rl_patches import settings
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
+from megatron_rl_patches.apps.cli.doctor_shared_prefix import (
+    door_verdicts,
+    shared_prefix_problems,
+    shared_prefix_statement,
+)
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
 from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
@@ -185,7 +189,9 @@ def environment_report() -> tuple[dict[str, Any], list[str]]:
         environment["error"] = None
         fates = env.selection(names) if environment["enabled_at_startup"] else {}
         problems += opd_selection_problems(environment, fates)
-        problems += shared_prefix_problems(environment, fates)
+        if environment.get("shared_prefix"):
+            environment["shared_prefix_doors"] = door_verdicts(environment, fates, not_selected)
+        problems += shared_prefix_problems(environment, _shown_setting)
     except ValueError as exc:
         environment["resolved"], environment["error"] = None, str(exc)
         problems.append(str(exc))
@@ -219,51 +225,6 @@ def opd_selection_problems(environment: dict[str, Any], fates: dict[str, str | N
         return []
     return [f"slime_opd is not selected ({why[0]}), so the {OPD_PREFIX}* settings ({', '.join(environment['opd'])}) "
             f"do nothing: {why[1]}"]
-
-
-# where MEGATRON_RL_PATCHES_SHARED_PREFIX=1 takes effect, and where it does not (docs/shared-prefix.md)
-SHARED_PREFIX_ON = ("on: slime's passes (training, old and reference log-probs, in-process teachers, the live "
-                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused, NeMo-RL's "
-                    "(training, log-probs, reference, teacher top-k) through patch nemo_rl_shared_prefix; a pass "
-                    "whose model it cannot run says why once and packs each sample whole; verl's engine passes "
-                    "(training, log-probs, reference) through patch verl_fused_logprobs, refusing by name a layout "
-                    "they cannot run (docs/shared-prefix.md)")
-VERL_ENGINE = "verl.workers.engine.megatron"  # where verl_fused_logprobs plans verl's passes
-
-
-def shared_prefix_statement(environment: dict[str, Any]) -> str:
-    """Whether shared-prefix packing is on, and where; the value as it was set."""
-    written = environment["variables"][env.SHARED_PREFIX]
-    if environment.get("shared_prefix") is None:
-        return "unreadable (see the problems below)"
-    if not environment["shared_prefix"]:
-        return f"off ({'unset' if written is None else f'{env.SHARED_PREFIX}={_shown_setting(written)!r}'})"
-    if environment.get("resolved") and ("slime_fused" in environment["resolved"] or verl_route(environment)):
-        return SHARED_PREFIX_ON
-    return (f"asked ({env.SHARED_PREFIX}={_shown_setting(written)!r}) but off: patch slime_fused, through which it "
-            "takes effect, is not selected (see the problems below)")
-
-
-def shared_prefix_problems(environment: dict[str, Any], fates: dict[str, str | None]) -> list[str]:
-    """The setting on while slime_fused, the route it takes effect through, will not apply, and why
-    (none where verl's route, `verl_route`, takes it)."""
-    why = not_selected(environment, "slime_fused", fates) if environment.get("shared_prefix") else None
-    if why is None or verl_route(environment):
-        return []
-    written = _shown_setting(environment["variables"][env.SHARED_PREFIX])
-    return [f"{env.SHARED_PREFIX}={written!r} takes effect through patch slime_fused, which will not apply "
-            f"({why[0]}), so every sample is packed whole: {why[1]}"]
-
-
-def verl_route(environment: dict[str, Any]) -> bool:
-    """Whether verl's passes take the setting: verl_fused_logprobs selected and verl's Megatron engine
-    importable here."""
-    if "verl_fused_logprobs" not in (environment.get("resolved") or []):
-        return False
-    try:
-        return importlib.util.find_spec(VERL_ENGINE) is not None
-    except (ImportError, ValueError):  # no verl, or a namespace package of that name
-        return False
 
 
 def _shown_setting(value: str) -> str:
@@ -397,7 +358,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  selected for start-up: {selects}")
     lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
                  f"inference roles: {_roles(e) or '-'}")
-    lines.append(f"  shared prefix: {shared_prefix_statement(e)}")
+    lines += [f"  {line}" for line in shared_prefix_statement(e, _shown_setting)]
     lines += [f"  checked: {checked}" for checked in e.get("teachers_checked", [])]
     s = report["startup"]
     lines.append("start-up files:")

@@ -18,23 +18,28 @@ from typing import Any, cast
 
 import torch
 
+from megatron_rl_patches import settings
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.shared_prefix_doors.decision import Reason, agreed_decision
+from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import MEGATRON
+from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
 from megatron_rl_patches.model.chunks import modules_of
 from megatron_rl_patches.model.kinds import is_language_model
 from megatron_rl_patches.ops.agreement import agree, agreed_min
 from megatron_rl_patches.ops.context_rows import local_rows
-from megatron_rl_patches.settings import SHARED_PREFIX
 from megatron_rl_patches.shared_prefix.context_parallel import check_logical_layout
 from megatron_rl_patches.shared_prefix.model_hooks import (
     prepare_shared_prefix,
     shared_prefix_params,
 )
 from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
-from megatron_rl_patches.shared_prefix.refusals import shared_prefix_reason
+from megatron_rl_patches.shared_prefix.repeated_padding import repeated_padding_alike
 
 logger = logging.getLogger("megatron_rl_patches")
-OFF = ("shared prefix: {what} runs each sample packed whole: {reason} (" + SHARED_PREFIX + "=0 switches the plan "
-       "off for this job, without this warning)")
+# a host that hands each context-parallel rank its share only (the sharing plan is built from the whole micro-batch)
+HOST_CUTS = Reason("the host hands each context-parallel rank its share of a micro-batch, and the sharing plan is "
+                   "built from the whole one", "plan the whole micro-batch as a hand-written loop does: "
+                   "docs/shared-prefix.md")
 
 
 WHOLE = "shared prefix: {what}: a micro-batch with {reason} is packed whole (counted in the pass's figures)"
@@ -60,8 +65,10 @@ class PrefixPass:
     and context-parallel ranks holding the micro-batch), the model's vocabulary (`vocab`: a
     micro-batch holding an id past it is packed whole, for the model's own embedding to refuse as
     without the plan), `cut` the host's context-parallel cut (None: one rank holds each micro-batch
-    whole), and the pass's figures so far (summed `PlanStats`, and `packed_whole`: the micro-batches
-    that took the ordinary path)."""
+    whole), `repeated_padding_once` (a padding sequence of one repeated id computed on one row: for a
+    model that computes each row of it alike, `repeated_padding_alike`; slime pads with id 0), and the
+    pass's figures so far (summed `PlanStats`, and `packed_whole`: the micro-batches that took the
+    ordinary path)."""
 
     what: str
     pad_to: int = 1
@@ -69,6 +76,7 @@ class PrefixPass:
     vocab: int | None = None
     figures: dict[str, int] = field(default_factory=dict)
     cut: ContextCut | None = None
+    repeated_padding_once: bool = False
 
     def params(self, tokens: Any, packed_seq_params: Any, samples: int, whole: Any = None) -> Any:
         """The `packed_seq_params` of a micro-batch packed as `tokens` [1, T] by `packed_seq_params`
@@ -84,7 +92,8 @@ class PrefixPass:
         reason = whole_reason(tokens, packed_seq_params, self.vocab)
         if reason is not None:
             return self.packed_whole(reason, packed_seq_params)
-        plan = plan_shared_prefix(tokens, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to)
+        plan = plan_shared_prefix(tokens, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to,
+                                  repeated_padding_once=self.repeated_padding_once)
         physical, logical, checksum = plan.fingerprint()
         agree(self.group, "a micro-batch's shared-prefix plan", match={"physical rows": physical,
                                                                        "logical rows": logical,
@@ -104,7 +113,8 @@ class PrefixPass:
         if not agreed_min(self.group, int(reason is None)):
             return self.packed_whole(reason or "another context-parallel or tensor-parallel rank's share that is "
                                      "not its cut of the whole micro-batch", packed_seq_params)
-        plan = plan_shared_prefix(whole, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to)
+        plan = plan_shared_prefix(whole, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to,
+                                  repeated_padding_once=self.repeated_padding_once)
         physical, logical, checksum = plan.fingerprint()
         agree(self.group, "a micro-batch's shared-prefix plan", match={"physical rows": physical,
                                                                        "logical rows": logical,
@@ -178,24 +188,26 @@ def cut_reason(whole: Any, tokens: Any, packed_seq_params: Any, cut: ContextCut)
     return None
 
 
-def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool,
-                cut_layout: str | None = None) -> PrefixPass | None:
+def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool, cut_layout: str | None = None,
+                framework: str = MEGATRON, layout: Layout | None = None, extra: tuple[Reason, ...] = (),
+                strict: bool | None = None) -> PrefixPass | None:
     """The shared-prefix packing of the pass `what` over `model` (its chunks), or None: off
-    (`enabled` False), or a model it cannot run (the reason agreed over every rank first, then warned
-    once; the pass runs each sample whole). Every rank calls it at the pass's door, before the pass's
-    first collective. `cut_layout`: how the host cuts each micro-batch over context-parallel ranks
-    ("zigzag" / "contiguous") where it hands the whole micro-batch beside each rank's share (slime);
-    None: a host that hands each rank its share only, which runs whole under context parallelism."""
+    (`enabled` False), or a pass that packs each sample whole (`agreed_decision`: the door's reasons of
+    `framework` at `layout` and `extra`, and the model's own, agreed over every rank, then one warning
+    in the framework's words; a ValueError on every rank under MEGATRON_RL_PATCHES_STRICT=1, `strict`
+    None: read here). Every rank calls it at the pass's door, before the pass's first collective.
+    `cut_layout`: how the host cuts each micro-batch over context-parallel ranks ("zigzag" /
+    "contiguous") where it hands the whole micro-batch beside each rank's share (slime, NeMo-RL) or
+    rebuilds it (verl); None: a host that hands each rank its share only, which runs whole under
+    context parallelism."""
     if not enabled:
         return None
-    reason = shared_prefix_reason(model, training=training)
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
-    if reason is None and cut_layout is None and parallel_state.get_context_parallel_world_size() > 1:
-        reason = ("the host hands each context-parallel rank its share of a micro-batch, and the plan is built from "
-                  "the whole one (a hand-written loop can plan it: docs/shared-prefix.md)")
-    if reason is not None:
-        warn_once(OFF.format(what=what, reason=reason))
+    if cut_layout is None and parallel_state.get_context_parallel_world_size() > 1:
+        extra = (*extra, HOST_CUTS)
+    if not agreed_decision(framework, what, model, training=training, layout=layout or Layout(), extra=extra,
+                           strict=settings.strict() if strict is None else strict):
         return None
     return planned_pass(what, model, cut_layout)
 
@@ -207,11 +219,13 @@ def planned_pass(what: str, model: Any, cut_layout: str | None = None) -> Prefix
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     prepare_shared_prefix(model)
+    once = repeated_padding_alike(model)  # agreed over every rank: every stage lays the padding out alike
     vocab = next((int(cast(int, m.vocab_size)) for m in modules_of(model, "prefix_pass") if is_language_model(m)), None)
     tensor = parallel_state.get_tensor_model_parallel_world_size()
     context = parallel_state.get_context_parallel_world_size()
     if cut_layout is None or context == 1:
-        return PrefixPass(what, pad_to=tensor, group=parallel_state.get_tensor_model_parallel_group(), vocab=vocab)
+        return PrefixPass(what, pad_to=tensor, group=parallel_state.get_tensor_model_parallel_group(), vocab=vocab,
+                          repeated_padding_once=once)
     cut = ContextCut(context, parallel_state.get_context_parallel_rank(), check_logical_layout(cut_layout))
     return PrefixPass(what, pad_to=2 * context * tensor, group=parallel_state.get_tensor_and_context_parallel_group(),
-                      vocab=vocab, cut=cut)
+                      vocab=vocab, cut=cut, repeated_padding_once=once)

@@ -21,9 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from megatron_rl_patches._log import warn_once
-from megatron_rl_patches.integrations.megatron.shared_prefix_pass import OFF, PrefixPass, logged, prefix_pass
+from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, logged, prefix_pass
 from megatron_rl_patches.integrations.megatron.step_iterators import StepIterator, carried
+from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import NEMO_RL
+from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
 from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.settings import shared_prefix
 
@@ -65,28 +69,25 @@ def pass_name(post_processing_fn: Any, forward_only: bool) -> str:
     return f"NeMo-RL's pass ({kind})"
 
 
-def call_reason(arguments: dict) -> str | None:
-    """What of NeMo-RL's call the plan does not run, by name (None: nothing): each is an argument of
-    `megatron_forward_backward`, the same on every rank."""
+def call_layout(arguments: dict, pipeline: int, mtp: bool = False) -> Layout:
+    """What of NeMo-RL's call the shared-prefix table reads (each an argument of `megatron_forward_backward`
+    or a parallel size, the same on every rank): sequence packing, router replay, a draft model's
+    hidden-state capture, NeMo-RL's own fused head, pipeline stages (NeMo-RL pads every packed
+    micro-batch to one length for them: `pipeline`, the pipeline-parallel size) and MTP layers (`mtp`)."""
     cfg: Any = getattr(arguments.get("post_processing_fn"), "cfg", None)
     packing: Any = cfg.get("sequence_packing", {}) if hasattr(cfg, "get") else {}
-    checks = (
-        (not bool(packing.get("enabled", False)),
-         "sequence packing is off (policy.sequence_packing.enabled): a plan is built from a packed micro-batch"),
-        (bool(arguments.get("use_router_replay")),
-         "router replay (use_router_replay): its recorded routes are one per packed token"),
-        (arguments.get("draft_model") is not None or bool(arguments.get("enable_hidden_capture")),
-         "a draft model's hidden-state capture (draft_model, enable_hidden_capture)"),
-        (bool(arguments.get("use_fused_linear_logprobs")),
-         "use_fused_linear_logprobs (NeMo-RL's own GPTModel.forward)"),
-    )
-    return next((reason for failed, reason in checks if failed), None)
+    return Layout(packed=bool(packing.get("enabled", False)), routing_replay=bool(arguments.get("use_router_replay")),
+                  draft_capture=(arguments.get("draft_model") is not None
+                                 or bool(arguments.get("enable_hidden_capture"))),
+                  own_fused_head=bool(arguments.get("use_fused_linear_logprobs")),
+                  fixed_lengths=pipeline > 1, mtp_training=mtp)
 
 
 def forward_backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for NeMo-RL's `megatron_forward_backward(model, data_iterator, ...,
     post_processing_fn, forward_only, ...)`: the pass's door (every rank calls it before the pass's
-    first collective)."""
+    first collective). Under context parallelism each micro-batch is planned whole (NeMo-RL keeps the
+    packed micro-batch beside each rank's zigzag share: `PlannedModel`)."""
     if not shared_prefix():
         return wrapped(*args, **kwargs)
     bound = bind(wrapped, args, kwargs)
@@ -95,16 +96,25 @@ def forward_backward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     arguments = bound.arguments
     forward_only = bool(arguments.get("forward_only", False))
     what = pass_name(arguments.get("post_processing_fn"), forward_only)
-    reason = call_reason(arguments)
-    if reason is not None:
-        warn_once(OFF.format(what=what, reason=reason))
-        return wrapped(*args, **kwargs)
-    prefix = prefix_pass(what, arguments["model"], training=not forward_only, enabled=True)
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+    layout = call_layout(arguments, parallel_state.get_pipeline_model_parallel_world_size(),
+                         mtp=has_mtp(arguments["model"]))
+    prefix = prefix_pass(what, arguments["model"], training=not forward_only, enabled=True, cut_layout="zigzag",
+                         framework=NEMO_RL, layout=layout)
     if prefix is None:
         return wrapped(*args, **kwargs)
     arguments["data_iterator"] = PassIterator(arguments["data_iterator"], prefix)
     with logged(prefix):
         return wrapped(*bound.args, **bound.kwargs)
+
+
+def has_mtp(model: Any) -> bool:
+    """Whether NeMo-RL's model (a chunk or a list of them, wrapped or not) has MTP layers."""
+    from megatron.core.utils import get_model_config  # lazy: optional dependency megatron-core
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return any(int(getattr(get_model_config(chunk), "mtp_num_layers", None) or 0) > 0 for chunk in chunks)
 
 
 class PlannedModel:
@@ -113,9 +123,10 @@ class PlannedModel:
 
     def __init__(self, model: Any, prefix: PrefixPass) -> None:
         self.model, self.prefix = model, prefix
+        self.whole: Any = None  # the packed micro-batch [1, T] the forward step took (`NotedBatches`)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("model", "prefix"):
+        if name in ("model", "prefix", "whole"):
             raise AttributeError(name)
         return getattr(self.model, name)
 
@@ -127,8 +138,33 @@ class PlannedModel:
             warn_once(WHOLE.format(what=self.prefix.what, reason=reason))
             return self.model(*args, **kwargs)
         samples = int(packed.cu_seqlens_q.numel()) - 1  # NeMo-RL pads inside the last sample's rows
-        kwargs["packed_seq_params"] = self.prefix.params(ids, packed, samples)
+        whole = None
+        if self.prefix.cut is not None and isinstance(self.whole, torch.Tensor) and self.whole.dim() == 2:
+            whole = self.whole[0]  # under context parallelism: the packed micro-batch, this rank's share cut from it
+        kwargs["packed_seq_params"] = self.prefix.params(ids, packed, samples, whole)
         return self.model(*args, **kwargs)
+
+
+class NotedBatches:
+    """The forward step's micro-batch iterator: each `ProcessedMicrobatch` it hands out noted on the
+    planned model (its packed `input_ids`, whole beside the context-parallel share the model is called
+    with), for that forward step's one model call."""
+
+    def __init__(self, iterator: Any, model: PlannedModel) -> None:
+        self.iterator, self.model = iterator, model
+
+    def __iter__(self) -> NotedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.iterator)
+        self.model.whole = getattr(batch, "input_ids", None)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("iterator", "model"):
+            raise AttributeError(name)
+        return getattr(self.iterator, name)
 
 
 def whole_row_reason(ids: Any, packed: Any) -> str | None:
@@ -148,5 +184,7 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     prefix = None if bound is None else carried_pass(bound.arguments.get("data_iterator"))
     if bound is None or prefix is None:
         return wrapped(*args, **kwargs)
-    bound.arguments["model"] = PlannedModel(bound.arguments["model"], prefix)
+    planned = PlannedModel(bound.arguments["model"], prefix)
+    bound.arguments["model"] = planned
+    bound.arguments["data_iterator"] = NotedBatches(bound.arguments["data_iterator"], planned)
     return wrapped(*bound.args, **bound.kwargs)

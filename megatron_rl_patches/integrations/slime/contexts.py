@@ -22,24 +22,19 @@ from megatron_rl_patches.integrations.context_fields import field_contexts, toke
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     TEACHERS,
     OpdSettings,
-    context_tokenizer,
+    context_keys,
+    key_tokenizer,
 )
 from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, student_tokenizer_of
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime.fused_step import slime_settings
 from megatron_rl_patches.integrations.slime.rollout_scores import carried_keys
+from megatron_rl_patches.ops.agreement import world
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.context.teacher_context import checked_contexts
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
 METADATA = "metadata"
-
-
-def context_keys(settings: OpdSettings | None) -> list[str]:
-    """The keys the step's teachers read their contexts under, in entry order, once each."""
-    if settings is None:
-        return []
-    return list(dict.fromkeys(t.context for t in settings.teachers if t.context is not None))
 
 
 def carried(data: Mapping, keys: Sequence[str]) -> list[dict]:
@@ -142,17 +137,8 @@ def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, vocab_si
                 raise type(bad)(f"slime_opd: train_metadata[{key!r}]: {bad}") from None
     except (TypeError, ValueError) as caught:
         error = caught
-    agree_failure(error, job_group(group), what="slime_opd: the privileged contexts")
+    agree_failure(error, group if group is not None else world(), what="slime_opd: the privileged contexts")
     return contexts
-
-
-def job_group(group: Any) -> Any:
-    """`group`, else the job's (torch.distributed's world, where it is initialized)."""
-    if group is not None:
-        return group
-    import torch.distributed as dist  # lazy: import cost: torch (the rollout manager's wrappers need none)
-
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdSettings) -> list[dict]:
@@ -188,9 +174,3 @@ def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdS
                                                field=f"train_metadata[{key!r}]", ids="token ids")):
             out[i][key] = ids
     return out
-
-
-def key_tokenizer(settings: OpdSettings, key: str) -> str | None:
-    """The tokenizer a context key is read in: None for the student's, else the teachers' of
-    another tokenizer reading it (one per key: `opd_settings` refuses a key read in two)."""
-    return next((context_tokenizer(t) for t in settings.teachers if t.context == key), None)

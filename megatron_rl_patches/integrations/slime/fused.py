@@ -24,6 +24,8 @@ from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_v
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
 from megatron_rl_patches.integrations.megatron.step_iterators import carried, carrying, schedule_with_step
+from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
+from megatron_rl_patches.integrations.shared_prefix_doors.table import feature
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
 from megatron_rl_patches.integrations.slime.fused_step import (
     FUSED_STEP,
@@ -149,7 +151,11 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     step.batch = batch
     if isinstance(batch, dict):
         batch[FUSED_STEP] = step
-        if step.prefix is not None:  # the model call takes the shared-prefix plan from the batch's packed_seq_params
+        if step.prefix is not None and batch.get("multimodal_train_inputs") is not None:
+            # a vision-language prompt: its images merge into the embedding (every rank of the micro-batch alike)
+            batch["packed_seq_params"] = step.prefix.packed_whole(feature("vlm").cells[SLIME].why,
+                                                                  batch["packed_seq_params"])
+        elif step.prefix is not None:  # the model call takes the shared-prefix plan from the batch's packed_seq_params
             whole = whole_micro_batch(batch) if step.prefix.cut is not None else None  # context parallelism
             batch["packed_seq_params"] = step.prefix.params(batch["tokens"], batch["packed_seq_params"],
                                                             len(batch["unconcat_tokens"]), whole)

@@ -30,6 +30,9 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     VocabRequest,
 )
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
+from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
+from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
+from megatron_rl_patches.integrations.slime.model_kinds import register_model_kinds
 from megatron_rl_patches.settings import shared_prefix
 
 
@@ -80,9 +83,15 @@ def slime_prefix_pass(args: Any, model: Any, what: str, training: bool) -> Prefi
     """The shared-prefix packing of slime's pass `what` over `model` (None: each sample whole), its
     switch MEGATRON_RL_PATCHES_SHARED_PREFIX read once per slime `args` as `slime_settings` is. slime's
     `get_batch` keeps every sample whole beside each context-parallel rank's cut (zigzag, or a contiguous
-    slice with --allgather-cp), so its passes plan at context parallelism too (`whole_micro_batch`)."""
-    layout = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
-    return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=layout)
+    slice with --allgather-cp), so its passes plan at context parallelism too (`whole_micro_batch`). slime's
+    routing replay (--use-routing-replay, --use-rollout-routing-replay) replays routes per packed token: its
+    passes pack whole, said once in slime's words (`shared_prefix_doors`)."""
+    cut = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
+    layout = Layout(context_layout=cut, routing_replay=bool(getattr(args, "use_routing_replay", False)
+                                                            or getattr(args, "use_rollout_routing_replay", False)))
+    register_model_kinds()  # slime's own layers, before the plan reads the model
+    return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=cut,
+                       framework=SLIME, layout=layout)
 
 
 @dataclass(frozen=True)

@@ -10,35 +10,43 @@ sample longer than N alone, as slime places one), and the memory a shared prompt
 samples per micro-batch. 8 groups of 8 samples at P = 1,024, R = 128 and N = 9,216: 8 micro-batches
 counted whole, 2 counted as computed.
 
-The lengths slime's first fit sees carry no tokens, so three doors pass them: the split
-(`RolloutManager._split_train_data_by_dp(data)`) holds the rollout's tokens while it runs, the
-schedule (`build_dp_schedule`, as the rollout module calls it) is handed lengths that know their
-sample (`SampleLength`, an int), and the first fit packs those by their samples' tokens. slime's own
-lengths (any other caller) and slime's other packings (`--balance-by-flops`, fixed micro-batch
-sizes) run as slime wrote them; so does everything with the setting off."""
+The lengths slime's first fit sees carry no tokens, so three doors pass them on in slime's own
+arguments: the split (`RolloutManager._split_train_data_by_dp(data)`), where the tokens are, hands
+slime's schedule its samples' rollout ids as a list that also holds the rollout's tokens
+(`RolloutIds`, slime's `rollout_indices` argument), the schedule (`build_dp_schedule`, as the rollout
+module calls it) hands its first fit lengths that know their sample's tokens (`SampleLength`, an
+int), and the first fit packs those by their tokens. slime's own lengths (any other caller) and
+slime's other packings (`--balance-by-flops`, fixed micro-batch sizes) run as slime wrote them; so
+does everything with the setting off."""
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Mapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from megatron_rl_patches.integrations.slime.fused_step import held_settings
 from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids
 
-# not an argument: slime's build_dp_schedule(args, config, total_lengths, ...) is handed lengths, never the
-# rollout's tokens; they are held for the one split call that computes those lengths, and reset after it
-_TOKENS: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar("slime_rollout_tokens", default=None)
+
+class RolloutIds(list):
+    """slime's rollout ids of the samples (`data["rollout_ids"]`, the list slime's split hands its
+    schedule as `rollout_indices`) holding the rollout's `tokens` too."""
+
+    def __init__(self, ids: Sequence[Any], tokens: Sequence[Any]) -> None:
+        super().__init__(ids)
+        self.tokens = tokens
 
 
 class SampleLength(int):
     """A sample's token count (slime sums and compares it as the int it is) that knows which
-    sample of the rollout's data it counts (`index`)."""
+    sample of the rollout's data it counts (`index`) and, handed on by a split, the rollout's
+    tokens (`tokens`; None: a length that knows no tokens)."""
 
     index: int
+    tokens: Sequence[Any] | None
 
-    def __new__(cls, length: int, index: int) -> SampleLength:
+    def __new__(cls, length: int, index: int, tokens: Sequence[Any] | None = None) -> SampleLength:
         counted = super().__new__(cls, length)
-        counted.index = index
+        counted.index, counted.tokens = index, tokens
         return counted
 
 
@@ -48,27 +56,30 @@ def _argument(name: str, position: int, args: tuple, kwargs: dict) -> Any:
 
 def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with shared-prefix
-    packing on, the rollout's tokens held while the split schedules its micro-batches."""
+    packing on, the samples' rollout ids slime's schedule is handed hold the rollout's tokens
+    (`RolloutIds`); `data`'s own list back after the split."""
     data = _argument("data", 0, args, kwargs)
     sharing = held_settings(getattr(instance, "args", None)).shared_prefix
-    if not sharing or not isinstance(data, Mapping) or "tokens" not in data:
+    if not sharing or not isinstance(data, MutableMapping) or "tokens" not in data or "rollout_ids" not in data:
         return wrapped(*args, **kwargs)
-    held = _TOKENS.set(data["tokens"])
+    ids = data["rollout_ids"]
+    data["rollout_ids"] = RolloutIds(ids, data["tokens"])
     try:
         return wrapped(*args, **kwargs)
     finally:
-        _TOKENS.reset(held)
+        data["rollout_ids"] = ids
 
 
 def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for `build_dp_schedule(args, train_parallel_config, total_lengths, ...)` as
-    slime's rollout module calls it: inside a split holding the rollout's tokens, each length handed
-    on as a `SampleLength` of its sample."""
-    tokens = _TOKENS.get()
+    """wrapt wrapper for `build_dp_schedule(args, train_parallel_config, total_lengths, *, ...,
+    rollout_indices)` as slime's rollout module calls it: rollout ids that hold the rollout's tokens
+    (a split's, `RolloutIds`), each length handed on as a `SampleLength` of its sample's tokens."""
+    ids = kwargs.get("rollout_indices")
     lengths = _argument("total_lengths", 2, args, kwargs)
+    tokens = ids.tokens if isinstance(ids, RolloutIds) else None
     if tokens is None or not isinstance(lengths, Sequence) or len(lengths) != len(tokens):
         return wrapped(*args, **kwargs)
-    counted = [SampleLength(length, index) for index, length in enumerate(lengths)]
+    counted = [SampleLength(length, index, tokens) for index, length in enumerate(lengths)]
     if "total_lengths" in kwargs:
         kwargs = {**kwargs, "total_lengths": counted}
     else:
@@ -78,14 +89,13 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
 
 def first_fit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `first_fit_pack(total_lengths, max_tokens_per_bin)` as slime's schedule
-    calls it: lengths that know their samples packed by the tokens the model computes (each
+    calls it: lengths that know their samples' tokens packed by the tokens the model computes (each
     micro-batch's indices into `total_lengths`, in order); any other lengths as slime packs them."""
-    tokens = _TOKENS.get()
     lengths = _argument("total_lengths", 0, args, kwargs)
     budget = _argument("max_tokens_per_bin", 1, args, kwargs)
-    if (tokens is None or not isinstance(lengths, Sequence) or not lengths
-            or not all(isinstance(length, SampleLength) for length in lengths)
+    if (not isinstance(lengths, Sequence) or not lengths
+            or not all(isinstance(length, SampleLength) and length.tokens is not None for length in lengths)
             or not isinstance(budget, int) or budget < 1):
         return wrapped(*args, **kwargs)
-    samples = [sample_ids(tokens[length.index], length.index) for length in lengths]
+    samples = [sample_ids(length.tokens[length.index], length.index) for length in lengths]
     return physical_micro_batches(samples, budget)

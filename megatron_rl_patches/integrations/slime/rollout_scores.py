@@ -81,32 +81,9 @@ def rollout_teachers(args: Any) -> RolloutTeachers | None:
 
 
 def sample_contexts(held: RolloutTeachers, sample: Any) -> list[dict] | None:
-    """The sample's privileged contexts for the teachers with a key (text tokenized by the
-    student's tokenizer, as the training ranks read it: `context_fields.field_contexts`), one
-    mapping, each checked as the train step checks it before anything is sent (ids, not empty,
-    none negative, within the teacher's vocabulary: `RolloutTeachers.context_vocab`), a refusal
-    naming the sample by its rollout index and the key; None: no teacher has one."""
-    keys = list(dict.fromkeys(key for key in held.contexts if key is not None))
-    if not keys:
-        return None
-    from megatron_rl_patches.integrations.context_fields import field_contexts  # lazy: import cost: torch
-
-    meta = sample.train_metadata if isinstance(sample.train_metadata, Mapping) else {}
-    out = {}
-    for key in keys:
-        value, field = meta.get(key), f"train_metadata[{key!r}]"
-        if value is None:
-            raise ValueError(f"{WHERE}: sample {sample.index} has no {field} for the served teacher with "
-                             f"';context={key}' asked at the rollout: fill it in the rollout's generate function")
-        tokenizer = held.student_tokenizer() if isinstance(value, str) else None
-        (ids,) = field_contexts([value], key, WHERE, tokenizer, held.context_vocab(key), samples=[sample.index],
-                                field=field, ids="token ids")
-        if not ids.numel() or int(ids.min()) < 0:
-            what = "holds no ids" if not ids.numel() else f"holds a negative id ({int(ids.min())})"
-            raise ValueError(f"{WHERE}: sample {sample.index}'s {field} {what}: the teacher reads the context's ids "
-                             "(its vocabulary indices) before the response; fill it in the rollout's generate function")
-        out[key] = ids
-    return [out]
+    """The privileged contexts of slime's `sample` (its train_metadata, named by its rollout index)
+    for the rollout's teachers: `RolloutTeachers.sample_contexts`."""
+    return held.sample_contexts(sample.train_metadata, sample.index, WHERE)
 
 
 async def score_sample(args: Any, sample: Any, *, rollout_id: int | None = None, evaluation: bool = False) -> None:

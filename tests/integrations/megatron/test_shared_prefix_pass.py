@@ -1,6 +1,7 @@
 """A Megatron host's shared-prefix pass (`integrations/megatron/shared_prefix_pass.py`, slime's today):
 off without the setting; a model the plan cannot run packs each sample whole with one warning; each
-micro-batch's plan handed as its packed_seq_params and its figures summed for the pass's log line; a
+micro-batch's plan handed as its packed_seq_params and its figures summed for the pass's log line (a
+padding sequence of one id on one row where the model computes its rows alike, else row by row); a
 micro-batch a plan does not take (an id past the vocabulary, padding between a sample's rows) packed
 whole and counted, decided from the micro-batch alone (every pipeline stage alike), never raised."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kit.moe_statistics import constant_padding
 from kit.shared_prefix import grpo_batch, trie_size
 
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
@@ -43,6 +45,18 @@ def test_the_pass_plans_each_micro_batch_and_sums_its_figures(megatron_cpu, capl
     # issue 119 item 7: "2 groups of 6 samples" read as 12 samples; the figures are 6 samples in 2 groups
     assert (f"shared prefix: a pass computed {physical} tokens for 298 ({298 / physical:.2f}x fewer), 6 samples "
             "in 2 groups sharing a prefix, 2 alone") in caplog.text
+    # padding: 4 rows of varying ids a micro-batch, each its own row; slime's, of one id, one row for this model
+    assert planned.figures["padding_tokens"] == planned.figures["padding_rows"] == 2 * 4
+    assert planned.repeated_padding_once  # rotary positions, no attention sink, no recurrent layer
+    slime = constant_padding(((40, (5, 9)),), (), padding=6)
+    plan = shared_prefix_plan_of(planned.params(slime.tokens, slime.thd_params(), slime.samples))
+    assert plan is not None and (plan.stats.padding_tokens, plan.stats.padding_rows) == (6, 1)
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    absolute = build_packed_gpt(seq_length=256, config=tiny_gpt_config(), position_embedding_type="learned_absolute")
+    learned = prefix_pass("a pass", [absolute], training=True, enabled=True)
+    assert learned is not None and not learned.repeated_padding_once  # each row reads its own position
     # docs/shared-prefix.md's line: one GRPO group of 8 (P = 1,024, R = 128), as the pass prints it
     planned.figures = {"logical_tokens": 9216, "physical_tokens": 2048, "groups": 1, "shared_samples": 8, "alone": 0}
     planned.what = "slime's training step"

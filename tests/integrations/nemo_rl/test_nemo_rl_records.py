@@ -32,16 +32,25 @@ def test_records_on_nemo_rls_forward_step_and_driver_selected_by_all_and_by_name
 
 def test_shared_prefix_names_what_of_nemo_rls_call_it_does_not_plan_and_finds_its_pass_under_a_noting_iterator():
     from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass
-    from megatron_rl_patches.integrations.nemo_rl.shared_prefix import PassIterator, call_reason, carried_pass
+    from megatron_rl_patches.integrations.nemo_rl.shared_prefix import PassIterator, call_layout, carried_pass
     from megatron_rl_patches.integrations.nemo_rl.step import NotingIterator
+    from megatron_rl_patches.integrations.shared_prefix_doors.decision import pass_verdict
+
+    def verdict(arguments: dict, pipeline: int = 1) -> str:
+        return "; ".join(reason.said() for reason in pass_verdict("nemo-rl", call_layout(arguments, pipeline)))
 
     packed = types.SimpleNamespace(cfg={"sequence_packing": {"enabled": True}})
-    assert call_reason({"post_processing_fn": packed}) is None
+    assert verdict({"post_processing_fn": packed}) == ""
     unpacked = types.SimpleNamespace(cfg={"sequence_packing": {"enabled": False}})
-    assert "sequence packing is off" in call_reason({"post_processing_fn": unpacked})
-    for argument, name in (("use_router_replay", "router replay"), ("enable_hidden_capture", "draft model"),
-                           ("use_fused_linear_logprobs", "use_fused_linear_logprobs")):
-        assert name in call_reason({"post_processing_fn": packed, argument: True})
+    assert "sequence packing is off" in verdict({"post_processing_fn": unpacked})
+    assert "policy.sequence_packing.enabled=true" in verdict({"post_processing_fn": unpacked})
+    for argument, name, change in (("use_router_replay", "replayed", "policy.router_replay.enabled=false"),
+                                   ("enable_hidden_capture", "draft model", "policy.draft.enabled=false"),
+                                   ("use_fused_linear_logprobs", "use_fused_linear_logprobs",
+                                    "policy.megatron_cfg.use_fused_linear_logprobs=false")):
+        said = verdict({"post_processing_fn": packed, argument: True})
+        assert name in said and change in said, said
+    assert "pads every packed micro-batch to one length" in verdict({"post_processing_fn": packed}, pipeline=2)
     prefix = PrefixPass("a pass")
     carrier = PassIterator(iter([1, 2]), prefix)
     noted = NotingIterator(carrier)

@@ -1,8 +1,9 @@
 """slime's dynamic micro-batches in physical tokens (issue 111 item 7), door by door without slime
 (the slime lane runs slime's real rollout manager and schedule: lane/test_slime_micro_batches_lane.py):
-the split holds the rollout's tokens only with shared-prefix packing on, the schedule hands on lengths
-that know their samples, and the first fit packs those as the model computes them (a group whole where
-it fits, a sample past the budget alone, as slime places it); everything else goes to slime as given."""
+the split hands slime's schedule rollout ids holding the rollout's tokens only with shared-prefix
+packing on, the schedule hands on lengths that know their samples' tokens, and the first fit packs
+those as the model computes them (a group whole where it fits, a sample past the budget alone, as
+slime places it); everything else goes to slime as given."""
 from __future__ import annotations
 
 import functools
@@ -36,10 +37,10 @@ def schedule(args, train_parallel_config, total_lengths, *, global_batch_size, r
 
 
 def split(manager, data):
-    """The rollout manager's split: lengths from the tokens, then the schedule."""
+    """The rollout manager's split: lengths from the tokens, then the schedule (its rollout ids, slime's)."""
     lengths = [len(t) for t in data["tokens"]]
     return doors.schedule_wrapper(schedule, None, (manager.args, {}, lengths),
-                                  {"global_batch_size": 1, "rollout_indices": list(range(len(lengths)))})
+                                  {"global_batch_size": 1, "rollout_indices": data["rollout_ids"]})
 
 
 def grpo(groups=8, group=8, prompt=1024, response=128, seed=0):
@@ -55,7 +56,10 @@ def run_split(monkeypatch, switch, tokens, budget=9216):
     monkeypatch.setenv(SHARED, switch)
     manager = types.SimpleNamespace(args=types.SimpleNamespace(max_tokens_per_gpu=budget))
     bound = functools.partial(split, manager)  # as wrapt hands a method
-    return doors.split_wrapper(bound, manager, ({"tokens": tokens},), {})
+    data = {"tokens": tokens, "rollout_ids": list(range(len(tokens)))}
+    batches = doors.split_wrapper(bound, manager, (data,), {})
+    assert type(data["rollout_ids"]) is list and data["tokens"] is tokens  # the caller's data as it was
+    return batches
 
 
 def test_eight_groups_take_two_micro_batches_with_sharing_on_and_eight_off(monkeypatch):

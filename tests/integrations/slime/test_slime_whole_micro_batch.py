@@ -97,7 +97,7 @@ def test_each_rank_plans_the_whole_micro_batch_and_holds_its_own_ids(allgather):
     samples, layout = _samples(), "contiguous" if allgather else "zigzag"
     for rank in range(2):
         batch = _slime_batch(samples, 2, rank, allgather)
-        step = PrefixPass("a pass", pad_to=4, vocab=64, cut=ContextCut(2, rank, layout))
+        step = PrefixPass("a pass", pad_to=4, vocab=64, cut=ContextCut(2, rank, layout), repeated_padding_once=True)
         params = step.params(batch["tokens"], batch["packed_seq_params"], len(samples), whole_micro_batch(batch))
         plan = shared_prefix_plan_of(params)
         assert plan is not None and params.cp_layout == layout and plan.physical_length % 4 == 0
@@ -105,6 +105,7 @@ def test_each_rank_plans_the_whole_micro_batch_and_holds_its_own_ids(allgather):
         assert torch.equal(mine, batch["tokens"][0])
         padding = 0 if allgather else 2 + 1 + 2 + 1  # slime pads each sample to a multiple of 2 · cp
         assert step.figures["physical_tokens"] == 13 + 5 + 2 + 9 + 7 + padding
+        assert step.figures["padding_tokens"] > step.figures["padding_rows"] == 1  # slime's id 0 after the samples
 
 
 @pytest.mark.megatron

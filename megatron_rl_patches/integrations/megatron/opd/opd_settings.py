@@ -197,6 +197,19 @@ def context_tokenizer(teacher: Teacher) -> str | None:
     return teacher.path if teacher.tokenizer is None else teacher.tokenizer
 
 
+def context_keys(settings: OpdSettings | None) -> list[str]:
+    """The keys the step's teachers read their contexts under, in entry order, once each."""
+    if settings is None:
+        return []
+    return list(dict.fromkeys(t.context for t in settings.teachers if t.context is not None))
+
+
+def key_tokenizer(settings: OpdSettings, key: str) -> str | None:
+    """The tokenizer a context key is read in: None for the student's, else the teachers' of
+    another tokenizer reading it (one per key: `opd_settings` refuses a key read in two)."""
+    return next((context_tokenizer(t) for t in settings.teachers if t.context == key), None)
+
+
 def check_context_tokenizers(teachers: Sequence[Teacher]) -> None:
     """One context key is read in one tokenizer: a key shared by teachers of different tokenizers
     refused, naming them (its ids or text would be the teachers' different tokens)."""

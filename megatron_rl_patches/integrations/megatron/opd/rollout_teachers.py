@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import packed, teacher_key
@@ -90,6 +91,36 @@ class RolloutTeachers:
         from megatron_rl_patches.integrations.context_fields import tokenizer_vocab  # lazy: import cost: tokenizers
 
         return tokenizer_vocab(self.student_tokenizer())
+
+    def sample_contexts(self, metadata: Any, index: Any, where: str,
+                        field: str = "train_metadata") -> list[dict] | None:
+        """A sample's privileged contexts (its metadata `field`, a mapping; `index`: its rollout index)
+        for the teachers with a key (text tokenized by the student's tokenizer, as the training ranks
+        read it: `context_fields.field_contexts`), one mapping, each checked as the train step checks
+        it before anything is sent (ids, not empty, none negative, within the teacher's vocabulary:
+        `context_vocab`), a refusal naming the sample and the key; None: no teacher has one."""
+        keys = list(dict.fromkeys(key for key in self.contexts if key is not None))
+        if not keys:
+            return None
+        from megatron_rl_patches.integrations.context_fields import field_contexts  # lazy: import cost: torch
+
+        meta = metadata if isinstance(metadata, Mapping) else {}
+        out = {}
+        for key in keys:
+            value, named = meta.get(key), f"{field}[{key!r}]"
+            if value is None:
+                raise ValueError(f"{where}: sample {index} has no {named} for the served teacher with "
+                                 f"';context={key}' asked at the rollout: fill it in the rollout's generate function")
+            tokenizer = self.student_tokenizer() if isinstance(value, str) else None
+            (ids,) = field_contexts([value], key, where, tokenizer, self.context_vocab(key), samples=[index],
+                                    field=named, ids="token ids")
+            if not ids.numel() or int(ids.min()) < 0:
+                what = "holds no ids" if not ids.numel() else f"holds a negative id ({int(ids.min())})"
+                raise ValueError(f"{where}: sample {index}'s {named} {what}: the teacher reads the context's ids "
+                                 "(its vocabulary indices) before the response; fill it in the rollout's generate "
+                                 "function")
+            out[key] = ids
+        return [out]
 
     def metrics(self) -> dict[str, Any]:
         """The rollout's figures (`TeacherStep.metrics()`'s shape): samples scored, the seconds the

@@ -131,14 +131,17 @@ def _cat(results: list, key: str) -> torch.Tensor | None:
 
 
 def _grads(model: Any) -> list[torch.Tensor]:
-    """Every parameter's gradient as the optimizer sees it: a sequence-parallel one (the norms')
-    summed over the tensor-parallel group, as megatron-core's finalize_model_grads does (each rank
-    holds its rows' share, and a plan's rows are not the packed micro-batch's)."""
+    """Every parameter's gradient as the optimizer sees it: summed over the context-parallel ranks and a
+    sequence-parallel one (the norms') over the tensor-parallel group, as megatron-core's DDP and
+    finalize_model_grads do (each rank holds its rows' share, and a plan's rows are not the packed
+    micro-batch's)."""
     from megatron.core import parallel_state
 
     grads = []
     for param in model.parameters():
         grad = torch.zeros_like(param) if param.grad is None else param.grad.detach().clone()
+        if parallel_state.get_context_parallel_world_size() > 1:
+            torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
         if getattr(param, "sequence_parallel", False):
             torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
         grads.append(grad)
@@ -220,12 +223,26 @@ def heard() -> Iterator[Heard]:
 
 
 def refusal_figures(model: Any, cfg: dict) -> dict:
-    """A layout the plan cannot run: the log-prob pass with the setting on says why (by name, on
-    every rank) and runs each sample whole, as with the setting off."""
+    """A call the plan cannot run (sequence packing off): the log-prob pass with the setting on says why
+    once in NeMo-RL's words (the same on every rank) and runs each sample whole, as with the setting off."""
     with heard() as lines:
         figures = logprob_figures(model, cfg, OWN)
     said = [line for line in lines.lines if "runs each sample packed whole" in line]
     return {**figures, "said": said}
+
+
+def strict_figures(model: Any, cfg: dict) -> dict:
+    """The same pass under MEGATRON_RL_PATCHES_STRICT=1: the same words raise a ValueError on every rank."""
+    from megatron_rl_patches.settings import STRICT
+
+    os.environ[STRICT] = "1"
+    try:
+        logprob_figures(model, cfg, OWN)
+    except ValueError as error:
+        return {"error": str(error)}
+    finally:
+        os.environ.pop(STRICT, None)
+    return {"error": None}
 
 
 def prefix_world(rank: int, world: int, layouts: list[dict]) -> list[dict]:
@@ -246,10 +263,6 @@ def prefix_world(rank: int, world: int, layouts: list[dict]) -> list[dict]:
             cfg = kit.policy_cfg(packed=True, tp=layout["tp"], sp=layout["sp"], cp=layout["cp"])
             model = build_model(layout)
             out: dict[str, Any] = {"layout": layout["name"]}
-            if layout.get("refused"):
-                out["refused"] = refusal_figures(model, cfg)
-                results.append(out)
-                continue
             out["logprobs_own"] = logprob_figures(model, cfg, OWN)
             out["logprobs_fused"] = logprob_figures(model, cfg, FUSED)
             topk = topk_figures(build_model(layout, seed=7), cfg)  # a distillation teacher's pass
@@ -260,12 +273,12 @@ def prefix_world(rank: int, world: int, layouts: list[dict]) -> list[dict]:
             teacher = topk["teacher"]
             kd = DistillationLossFn(DistillationLossConfig(kl_type="mixed", mixed_kl_weight=0.3))
             out["kd_fused"] = step_figures(model, cfg, FUSED, kd, batch(teacher))
-            with heard() as lines:
-                out["unpacked"] = logprob_figures(model, kit.policy_cfg(tp=layout["tp"], sp=layout["sp"]), OWN)
-            out["unpacked"]["said"] = [line for line in lines.lines if "runs each sample packed whole" in line]
+            if layout["cp"] == 1:  # NeMo-RL cuts over context-parallel ranks only what it packs
+                out["unpacked"] = refusal_figures(model, kit.policy_cfg(tp=layout["tp"], sp=layout["sp"]))
+                out["strict"] = strict_figures(model, kit.policy_cfg(tp=layout["tp"], sp=layout["sp"]))
             results.append(out)
     return results
 
 
-def layout(name: str, tp: int = 1, sp: bool = False, cp: int = 1, refused: bool = False) -> dict:
-    return {"name": name, "tp": tp, "sp": sp, "cp": cp, "refused": refused}
+def layout(name: str, tp: int = 1, sp: bool = False, cp: int = 1) -> dict:
+    return {"name": name, "tp": tp, "sp": sp, "cp": cp}

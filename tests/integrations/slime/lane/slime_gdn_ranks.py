@@ -47,7 +47,8 @@ def write_hf_config(root: str, kind: str) -> str:
 def gdn_lane_rank(rank: int, world_size: int, tensor: int = 1, context: int = 1,
                   recurrence: str = "chunk") -> Iterator[Any]:
     """The lane's rank setup with transformers real (slime's layer imports it) and fla on CPU
-    (`recurrence`: slime_fla_cpu.install's)."""
+    (`recurrence`: slime_fla_cpu.install's); slime's model kinds registered, as slime's door does
+    (these hand-written passes plan slime's layers without it)."""
     for path in (HERE, TESTS):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -55,7 +56,10 @@ def gdn_lane_rank(rank: int, world_size: int, tensor: int = 1, context: int = 1,
     import slime_ranks
     import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401  (before fla's stand-in)
 
+    from megatron_rl_patches.integrations.slime.model_kinds import register_model_kinds
+
     slime_fla_cpu.install(recurrence)
+    register_model_kinds()
     with slime_ranks.lane_rank(rank, world_size, tensor=tensor, context=context) as patch:
         yield patch
 

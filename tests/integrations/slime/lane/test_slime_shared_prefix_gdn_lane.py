@@ -26,6 +26,8 @@ import pytest
 import torch
 from slime_prefix_cases import close  # the lane's helpers (its directory is on the path)
 
+from megatron_rl_patches.testing import layouts
+
 pytestmark = pytest.mark.slime
 TOL, GRAD_TOL = 2e-6, 5e-5
 
@@ -118,7 +120,8 @@ def test_slimes_gated_delta_net_at_four_context_parallel_ranks_equals_the_sample
 LINEAR_ADAM = ("--adam-eps", "1.0")  # an update about lr · gradient (as test_slime_shared_prefix_lane.py)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "pp2"])
+@pytest.fixture(scope="module", params=[pytest.param(1, id="1rank", marks=layouts.mark("thd")),
+                                        pytest.param(2, id="pp2", marks=layouts.mark("pp2", "thd"))])
 def actor_runs(request, tmp_path_factory):
     _slime_plugins()
     import slime_gdn_ranks

@@ -261,6 +261,7 @@ def test_multi_turn_trees_change_no_number_and_compute_the_samples_trie(slime_cp
         assert sum(planned["embedded"]) < sum(plain["embedded"])
 
 
+@layouts.mark("mtp", "moe")
 def test_a_deepseek_shaped_model_changes_no_number_of_the_step(slime_cpu, runs):
     """Issue 111: multi-latent attention, MoE with expert-bias updates and an aux loss, one MTP layer
     trained as slime trains it: the setting on against off, the losses (MTP's and the MoE aux loss

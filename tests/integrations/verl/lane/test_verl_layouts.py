@@ -15,10 +15,11 @@ with verl's `ppo_loss` (entropy bonus on):
   and the loss): the per-token KL against the dense float64 (k+1)-bucket KL of the TP=1/CP=1
   model, and its gradients against the same dense KL computed in the same layout from verl's
   vocab-parallel logits.
-- MEGATRON_RL_PATCHES_SHARED_PREFIX=1 through verl's real `forward_backward_batch` (at TP=1 and
-  TP=2; `prefix_checks`): both routes' training step and the forward-only pass against the same
-  passes packed whole, the embedding's rows against the samples' trie, and a verl layout the plan
-  cannot run refused alike on every rank.
+- MEGATRON_RL_PATCHES_SHARED_PREFIX=1 through verl's real `forward_backward_batch` (at TP=1, TP=2
+  and CP=2; `prefix_checks`): both routes' training step and the forward-only pass against the same
+  passes packed whole, the embedding's rows against the samples' trie; MTP training (verl's own label
+  roll) at TP=1 and CP=2; a verl setting the plan cannot run packed whole with one warning alike on
+  every rank, and refused alike under MEGATRON_RL_PATCHES_STRICT=1.
 Negative controls: a CP model whose attention reads the rows in the other layout than verl's
 packing (contiguous) is far from float64; the dense KL without the tail buckets (verl's sum) too."""
 from __future__ import annotations
@@ -33,7 +34,14 @@ pytest.importorskip("verl.models", reason="verl is not installed: run `make test
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
 import verl_kit as kit  # noqa: E402
-from prefix_checks import PREFIX_TOLERANCE, prefix_checks, refusal  # noqa: E402
+from prefix_checks import (  # noqa: E402
+    PREFIX_TOLERANCE,
+    fallback_checks,
+    mtp_checks,
+    mtp_model,
+    prefix_checks,
+    strict_refusal,
+)
 from verl_kit import CONTROL, ENTROPY_COEFF, PROMPTS, REL, RESPONSES, TEMPERATURE  # noqa: E402
 
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
@@ -315,13 +323,21 @@ def _world(rank: int, world_size: int) -> dict:
     with megatron_on_cpu():
         refs = _references()
     with megatron_on_cpu():  # DP=2
-        results = {"distopt": _distopt_checks(), "prefix-tp1": prefix_checks(_model("tp1"), align=1)}
+        results = {"distopt": _distopt_checks(), "prefix-tp1": prefix_checks(_model("tp1"), align=1),
+                   "prefix-mtp": mtp_checks(mtp_model())}
     for name, (parallel, *_) in LAYOUTS.items():
         with megatron_on_cpu(**parallel):
             results[name] = _layout_checks(name, refs)
             if name == "tp2":
                 results["prefix-tp2"] = prefix_checks(_model(name), align=2)
-                results["prefix-refusal"] = refusal(_model(name))
+                results["prefix-fallback"] = fallback_checks(_model(name))
+                results["prefix-strict"] = strict_refusal(_model(name))
+            if name in ("ep2", "recompute"):  # MoE at EP = 2; the plan run again in backward
+                results[f"prefix-{name}"] = prefix_checks(_model(name), align=2 if name == "recompute" else 1,
+                                                          passes=("unfused-train",))
+            if name == "cp2-zigzag":  # the whole micro-batch rebuilt from both ranks' zigzag shares
+                results["prefix-cp2"] = prefix_checks(_model(name, "zigzag"), align=1, context=2)
+                results["prefix-mtp-cp2"] = mtp_checks(mtp_model(context=2))
     return results
 
 
@@ -386,15 +402,21 @@ def test_distributed_optimizer_gathers_before_the_fused_route_reads(layouts_worl
 
 
 @pytest.mark.parametrize("layout", [pytest.param("tp1", marks=layouts.mark("thd")),
-                                    pytest.param("tp2", marks=layouts.mark("tp2", "thd"))])
+                                    pytest.param("tp2", marks=layouts.mark("tp2", "thd")),
+                                    pytest.param("cp2", marks=layouts.mark("cp2-zigzag", "thd")),
+                                    pytest.param("ep2", marks=layouts.mark("ep2", "moe", "thd")),
+                                    pytest.param("recompute", marks=layouts.mark("recompute", "tp2", "thd"))])
 def test_shared_prefix_equals_each_sample_packed_whole_in_verls_passes(layouts_world, layout):
     """MEGATRON_RL_PATCHES_SHARED_PREFIX=1 against off, through verl's real forward_backward_batch:
     both routes' training step and forward-only pass the same within 1e-6 (fp32), every gradient
-    too, and the embedding runs the samples' trie (as verl pads them) instead of every packed row."""
+    too (summed over the CP ranks), and the embedding runs the samples' trie (as verl pads them)
+    instead of every packed row; at CP = 2 each rank its half of either."""
     for rank, result in enumerate(layouts_world):
         got = result[f"prefix-{layout}"]
         print(layout, rank, got)
         for what in ("unfused-train", "fused-train", "unfused-forward"):
+            if what not in got and layout in ("ep2", "recompute"):
+                continue  # the unfused training step alone there
             checks = got[what]
             errors = {key: checks[key] for key in ("log_probs", "entropy", "loss", "grads") if key in checks}
             assert errors and max(errors.values()) < PREFIX_TOLERANCE, (what, errors)
@@ -404,11 +426,44 @@ def test_shared_prefix_equals_each_sample_packed_whole_in_verls_passes(layouts_w
                 assert checks["same_names"] and checks["control"] > CONTROL, what
 
 
-def test_a_verl_layout_a_plan_cannot_run_is_refused_alike_on_every_rank(layouts_world):
-    """Each rank's own reason (rank 0: use_remove_padding=False, rank 1: MTP training), one ValueError."""
-    first, second = (result["prefix-refusal"] for result in layouts_world)
+@pytest.mark.parametrize("layout", [pytest.param("mtp", marks=layouts.mark("mtp", "thd")),
+                                    pytest.param("mtp-cp2", marks=layouts.mark("mtp", "cp2-zigzag", "thd"))])
+def test_mtp_training_on_a_sharing_plan_equals_each_sample_packed_whole(layouts_world, layout):
+    """verl's MTP training (its own label roll and MTP loss) with the setting on against off: log-probs,
+    entropy, the loss, the MTP loss verl logs and every gradient (the MTP block's too) within 1e-6; the
+    embedding runs the samples' trie for the decoder and for the MTP depth (one token fewer shared)."""
+    for result in layouts_world:
+        got = result[f"prefix-{layout}"]
+        print(layout, got)
+        errors = {key: got[key] for key in ("log_probs", "entropy", "loss", "grads", "mtp_grads")}
+        assert max(errors.values()) < PREFIX_TOLERANCE and got["same_names"], errors
+        for whole, planned in got["mtp_losses"].values():  # on the rank that logs them
+            assert abs(whole[0] - planned[0]) <= PREFIX_TOLERANCE * abs(whole[0]), got["mtp_losses"]
+        (main, depth), (main_planned, depth_planned) = got["rows_whole"], got["rows_planned"]
+        assert main == depth and main_planned < depth_planned < main, got
+
+
+@layouts.mark("tp2", "thd")
+def test_a_verl_setting_a_plan_cannot_run_packs_whole_with_one_warning_alike_on_every_rank(layouts_world):
+    """router_replay.mode='R3' on both ranks: the pass runs as with the setting off (its log-probs bit for
+    bit, every packed row at the embedding) and says why once, in verl's words, the same on both ranks."""
+    first, second = (result["prefix-fallback"] for result in layouts_world)
+    print(first)
+    assert first["said"] == second["said"] and len(first["said"]) == 1, (first["said"], second["said"])
+    for named in ("router_replay.mode", "actor_rollout_ref.actor.megatron.router_replay.mode=disabled",
+                  "MEGATRON_RL_PATCHES_SHARED_PREFIX=0", "MEGATRON_RL_PATCHES_STRICT=1"):
+        assert named in first["said"][0], named
+    for got in (first, second):
+        assert got["log_probs"] == 0.0 and got["rows"][0] == got["rows"][1] and got["rows"][0], got
+
+
+def test_under_strict_a_verl_layout_a_plan_cannot_run_is_refused_alike_on_every_rank(layouts_world):
+    """MEGATRON_RL_PATCHES_STRICT=1, each rank its own reason (rank 0: use_remove_padding=False, rank 1:
+    router replay), agreed before the pass's first collective: one ValueError, the same on both ranks."""
+    first, second = (result["prefix-strict"] for result in layouts_world)
     print(first)
     assert first == second
-    for named in ("MEGATRON_RL_PATCHES_SHARED_PREFIX=1", "use_remove_padding=False", "mtp.enable_train=True",
+    for named in ("MEGATRON_RL_PATCHES_SHARED_PREFIX=1", "MEGATRON_RL_PATCHES_STRICT=1", "use_remove_padding=False",
+                  "actor_rollout_ref.model.use_remove_padding=True", "router_replay.mode=disabled",
                   "MEGATRON_RL_PATCHES_SHARED_PREFIX=0"):
         assert named in first, named

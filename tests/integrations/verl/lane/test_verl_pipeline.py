@@ -1,11 +1,20 @@
-"""verl 0.9.1's real Megatron engine with pipeline parallelism, in one 2-rank gloo world: PP=2 and
-PP=2 x 2 virtual stages. verl's `forward_step` and `postprocess_micro_batch_func` (ppo_loss with
-the entropy bonus) run inside megatron-core's own forward-backward schedule as verl's
-`forward_backward_batch` calls it (`make_batch_generator`, seq_length=1 with variable_seq_lengths,
-two micro-batches): the stages before the last hand their hidden states on, the last one meets
-`verl_fused_logprobs`. Against verl's own unpatched logits path on the same chunks: each
-micro-batch's log-probs and entropy and loss (last stage) and every chunk's gradients (every
-stage). Negative control: another micro-batch's log-probs are told apart."""
+"""verl 0.9.1's real Megatron engine with pipeline parallelism, in one 4-rank gloo world: PP=2 and PP=2
+x 2 virtual stages (each stage two data-parallel ranks). verl's `forward_step` and
+`postprocess_micro_batch_func` (ppo_loss with the entropy bonus) run inside megatron-core's own
+forward-backward schedule as verl's `forward_backward_batch` calls it (`make_batch_generator`,
+seq_length=1 with variable_seq_lengths, two micro-batches): the stages before the last hand their
+hidden states on, the last one meets `verl_fused_logprobs`. Against verl's own unpatched logits path
+on the same chunks: each micro-batch's log-probs and entropy and loss (last stage) and every chunk's
+gradients (every stage). Negative control: another micro-batch's log-probs are told apart.
+
+MEGATRON_RL_PATCHES_SHARED_PREFIX=1 through verl's real `forward_backward_batch` (`prefix_checks`), both
+routes' training step against the same steps packed whole: at PP = 2 (the first stage plans the packed
+ids, the last one the samples verl hands it unpacked, both the same sharing plan; the first stage's
+embedding against the samples' trie) and, in the same world, at CP = 2 x TP = 2 with sequence
+parallelism (verl's default beside TP: each sequence padded to 2 CP x TP and cut zigzag; the whole
+micro-batch rebuilt from the context-parallel ranks' shares, each rank running its share of the shorter
+stream; every gradient summed over the CP ranks, the norms' over the TP ranks too, as
+`finalize_model_grads` does)."""
 from __future__ import annotations
 
 import pytest
@@ -16,11 +25,13 @@ pytest.importorskip("verl.models", reason="verl is not installed: run `make test
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
 import verl_kit as kit  # noqa: E402
+from prefix_checks import PREFIX_TOLERANCE, prefix_checks  # noqa: E402
 from verl_kit import CONTROL, ENTROPY_COEFF, PROMPTS, REL, RESPONSES, TEMPERATURE  # noqa: E402
 
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
 MICRO_BATCHES = 2
+TRAINING = ("unfused-train", "fused-train")  # the shared-prefix checks' passes here
 LAYOUTS = {"vpp2": 2, "pp2": None}  # name: virtual stages per pipeline stage
 
 
@@ -109,22 +120,81 @@ def _world(rank: int, world_size: int) -> dict:
     for name, virtual in LAYOUTS.items():
         with megatron_on_cpu(pipeline_parallel=2, virtual_pipeline=virtual):
             results[name] = _checks(virtual)
+            if virtual is None:
+                results["prefix-pp2"] = prefix_checks(_chunks(None)[0], align=1, passes=TRAINING)
+    with megatron_on_cpu(tensor_parallel=2, context_parallel=2):
+        results["prefix-cp2-tp2"] = prefix_checks(_cp_tp_model(), align=2, context=2, passes=TRAINING)
     return results
+
+
+def _cp_tp_model():
+    """The packed GPT at CP = 2 (the kit's zigzag CPU attention) x TP = 2 + SP, as verl's engine holds it."""
+    from verl.models.mcore.model_forward_fused import patch_fused_forward
+
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    model = build_packed_gpt(vocab_size=kit.VOCAB, seed=3, context_parallel_layout="zigzag",
+                             tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2)
+    patch_fused_forward(model)  # what verl's engine does at build time
+    return model
 
 
 @pytest.fixture(scope="module")
 def pipeline_world() -> list[dict]:
-    return run_multirank(_world, 2, timeout=300)
+    return run_multirank(_world, 4, timeout=600)
 
 
 @pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2", "thd")),
                                     pytest.param("vpp2", marks=layouts.mark("vpp2", "pp2", "thd"))])
 def test_pipelined_fused_route_equals_verls_logits_path(pipeline_world, layout):
-    first, last = (result[layout] for result in pipeline_world)
-    print(layout, first, last)
-    assert not first["last_stage"] and last["last_stage"] and last["micro_batches"] == MICRO_BATCHES
-    for stage in (first, last):
-        assert stage["same_names"] and stage["grads"] < REL, stage
-    assert max(last["log_probs"], last["entropy"], last["loss"]) < REL, last
-    assert last["unread_rows"] == 0.0  # the rows verl never reads met no output weight
-    assert last["control_other_micro_batch"] > CONTROL  # the comparison tells the micro-batches apart
+    for first, last in _stages(pipeline_world, layout):  # per data-parallel rank
+        print(layout, first, last)
+        assert not first["last_stage"] and last["last_stage"] and last["micro_batches"] == MICRO_BATCHES
+        for stage in (first, last):
+            assert stage["same_names"] and stage["grads"] < REL, stage
+        assert max(last["log_probs"], last["entropy"], last["loss"]) < REL, last
+        assert last["unread_rows"] == 0.0  # the rows verl never reads met no output weight
+        assert last["control_other_micro_batch"] > CONTROL  # the comparison tells the micro-batches apart
+
+
+def _stages(world: list[dict], key: str) -> list[tuple[dict, dict]]:
+    """(first stage, last stage) of each data-parallel rank: megatron-core's rank order puts the pipeline
+    outermost (ranks 0, 1 the first stage, 2, 3 the last)."""
+    half = len(world) // 2
+    return [(world[dp][key], world[half + dp][key]) for dp in range(half)]
+
+
+@layouts.mark("pp2", "thd")
+def test_shared_prefix_at_pipeline_parallelism_equals_each_sample_packed_whole(pipeline_world):
+    """Setting on against off at PP = 2, both routes' training step: the last stage's log-probs, entropy and
+    loss within 1e-6, every stage's gradients too, the first stage's embedding running the samples' trie."""
+    for first, last in _stages(pipeline_world, "prefix-pp2"):
+        print(first, last)
+        _pipeline_prefix_checks(first, last)
+
+
+def _pipeline_prefix_checks(first: dict, last: dict) -> None:
+    for what in TRAINING:
+        assert first[what]["rows_whole"] == [first["logical_rows"]], what
+        assert first[what]["rows_planned"] == [first["trie_rows"]] < [first["logical_rows"]], what
+        assert last[what]["rows_whole"] == last[what]["rows_planned"] == [], what  # no embedding on the last stage
+        errors = {key: last[what][key] for key in ("log_probs", "entropy", "loss", "grads") if key in last[what]}
+        errors.update({f"first-{key}": first[what][key] for key in ("grads",) if key in first[what]})
+        assert {"log_probs", "entropy"} <= set(errors) and max(errors.values()) < PREFIX_TOLERANCE, (what, errors)
+        assert last[what]["control"] > CONTROL, what
+        assert "loss" in errors and "first-grads" in errors and first[what]["same_names"], what
+
+
+@layouts.mark("cp2-zigzag", "sp", "tp2", "thd")
+def test_shared_prefix_at_cp2_tp2_equals_each_sample_packed_whole(pipeline_world):
+    for rank, result in enumerate(pipeline_world):
+        got = result["prefix-cp2-tp2"]
+        print(rank, got)
+        for what in TRAINING:
+            checks = got[what]
+            errors = {key: checks[key] for key in ("log_probs", "entropy", "loss", "grads") if key in checks}
+            assert set(errors) == {"log_probs", "entropy", "loss", "grads"}, (what, errors)
+            assert max(errors.values()) < PREFIX_TOLERANCE and checks["same_names"], (what, errors)
+            assert checks["rows_whole"] == [got["logical_rows"]], what
+            assert checks["rows_planned"] == [got["trie_rows"]] and got["trie_rows"] < got["logical_rows"], what
+            assert checks["control"] > CONTROL, what
