@@ -39,12 +39,12 @@ def on(variables: dict[str, str]) -> bool:
     return variables.get(SELECT) == "all" and shared_prefix_setting(variables.get(SETTING))
 
 
-def test_the_section_gives_one_block_per_framework_and_links_the_framework_by_layout_table():
+def test_the_section_gives_one_block_per_framework_and_links_every_framework_at_every_layout():
     text = (REPO / "docs" / "recipes.md").read_text(encoding="utf-8")
     headings = [line for line in text.splitlines() if line.startswith("### ") and "a group's prompt once" in line]
     assert headings == [f"### {framework}: a group's prompt once" for framework in FRAMEWORKS]
     part = text.split(f"\n{SHARED_PREFIX}\n", 1)[1].split("\n## ", 1)[0]
-    assert "](shared-prefix.md#framework-by-layout)" in part
+    assert "](shared-prefix.md#every-framework-at-every-layout)" in part  # the matrix docs/shared-prefix.md writes
     assert "[below](#a-groups-prompt-once-shared-prefix-packing)" in text.split("\n## slime\n", 1)[0]
     assert [block(framework).lang for framework in FRAMEWORKS] == ["bash", "bash", "bash", "python"]
 
