@@ -26,6 +26,7 @@ import torch
 from megatron_rl_patches.shared_prefix.grouping import Group
 from megatron_rl_patches.shared_prefix.padding import padding_layout
 from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
+from megatron_rl_patches.shared_prefix.plan_summary import PrefixNode, plan_summary, plan_tree
 from megatron_rl_patches.shared_prefix.tree import TreeLayout, run_of, tree_layout
 
 
@@ -129,6 +130,16 @@ class SharedPrefixPlan:
         rows = torch.arange(1, self.logical_length + 1, dtype=torch.int64)
         checksum = int(((self.tokens + 7 * self.positions) * weights).sum() + (self.logical_rows * rows).sum())
         return self.physical_length, self.logical_length, checksum % (2 ** 52)
+
+    def __repr__(self) -> str:
+        """One line of figures, not the tensors (`print(plan)`): the samples sharing and alone, the
+        tokens packed and computed, the padding rows, the segments at each depth."""
+        return plan_summary(self)
+
+    def tree(self) -> tuple[PrefixNode, ...]:
+        """The segments as trees under the root, at every depth (`groups`: the top level only): each
+        `PrefixNode`'s rows, the samples holding it, the segments under it; `print(node)` draws one."""
+        return plan_tree(self)
 
 
 def _ids(tokens: Any) -> torch.Tensor:

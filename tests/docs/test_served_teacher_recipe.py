@@ -4,8 +4,9 @@ runtime_env (none left to --train-env-vars, which would not reach the rollout ma
 variables passing the checks `doctor`, `run` and the start-up hook run (`check_settings`), the served
 teacher's replicas asked at the rollout (`rollout_entries`), and slime's flags passing the checks
 `slime_opd` runs before the first step (`check_args`: the custom loss, the rollout temperature the
-engine scores at). The README and docs/distillation.md link to it; --help, the README's table and
-distillation.md say where SCORE_AT and the teachers are read."""
+engine scores at). docs/variables.md (the README's table until issue 122) and docs/distillation.md
+link to it; --help, the variable table and distillation.md say where SCORE_AT and the teachers are
+read."""
 from __future__ import annotations
 
 import argparse
@@ -88,16 +89,16 @@ def test_slimes_flags_pass_slime_opds_own_checks(job):
         check_args(argparse.Namespace(**{**vars(args), "rollout_temperature": 0.7}), settings)
 
 
-def test_the_readme_and_distillation_link_it_and_say_where_each_variable_is_read(capsys):
+def test_the_variable_table_and_distillation_link_it_and_say_where_each_variable_is_read(capsys):
     from megatron_rl_patches.apps.cli import main
 
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    variables = (REPO / "docs" / "variables.md").read_text(encoding="utf-8")
     distillation = (REPO / "docs" / "distillation.md").read_text(encoding="utf-8")
-    assert f"docs/{LINK}" in readme and LINK in distillation
+    assert f"]({LINK})" in variables and LINK in distillation
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     help_text = " ".join(out.split()).replace("- ", "-")  # textwrap breaks lines after a hyphen
-    row = next(line for line in readme.splitlines() if line.startswith("| `MEGATRON_RL_PATCHES_OPD_TEACHERS`"))
+    row = next(line for line in variables.splitlines() if line.startswith("| `MEGATRON_RL_PATCHES_OPD_TEACHERS`"))
     for text in (help_text, row, " ".join(distillation.split())):
         assert re.search(r"rollout manager[^.]*runtime_env", text), text[:300]
         assert "--train-env-vars reaches the training actors only" in text.replace("`", ""), text[:300]

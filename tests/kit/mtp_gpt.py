@@ -18,9 +18,10 @@ def mtp_takes_packed_input() -> bool:
     return hasattr(multi_token_prediction, "_roll_tensor_packed_seq")
 
 
-def build_mtp_gpt(config: Any, layer_spec: Any = None, seed: int = 3, **model_kwargs: Any) -> Any:
+def build_mtp_gpt(config: Any, layer_spec: Any = None, seed: int = 3, position_embedding_type: str = "rope",
+                  **model_kwargs: Any) -> Any:
     """A real GPTModel of `config` (`mtp_num_layers` set) whose MTP block mirrors `layer_spec`
-    (default: the kit's packed-input spec)."""
+    (default: the kit's packed-input spec); RoPE, or `position_embedding_type` ("learned_absolute")."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -30,7 +31,7 @@ def build_mtp_gpt(config: Any, layer_spec: Any = None, seed: int = 3, **model_kw
     spec = layer_spec if layer_spec is not None else packed_gpt_spec(getattr(config, "num_moe_experts", None))
     torch.manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=TINY_VOCAB, max_sequence_length=512,
-                     position_embedding_type="rope",
+                     position_embedding_type=position_embedding_type,
                      mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False), **model_kwargs)
     return model.to(config.params_dtype)
 

@@ -123,6 +123,15 @@ def tree_batch(system: int = 24, turns: tuple = ((6, 8, 2), (5, 7, 3)), per_turn
     return _packed(sequences, padding, draw)
 
 
+def packed_ids(samples: list[list[int]], padding: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """`samples` packed one after another, then `padding` zeros: (ids [T], cu_seqlens of the samples)."""
+    tokens = torch.tensor([t for s in samples for t in s] + [0] * padding)
+    cu = [0]
+    for s in samples:
+        cu.append(cu[-1] + len(s))
+    return tokens, cu
+
+
 def trie_size(sequences: list[list[int]]) -> int:
     """The samples' distinct leading-token sequences: what a tree plan computes (naively counted)."""
     return len({tuple(sample[:k + 1]) for sample in sequences for k in range(len(sample))})

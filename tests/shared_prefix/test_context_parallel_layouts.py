@@ -122,6 +122,7 @@ def _pipeline_mtp() -> dict:
 
 def _world(rank: int, world_size: int) -> dict:
     from kit.context_parallel_prefix import context_parallel_exactness, pipeline_exactness
+    from kit.context_parallel_shares import share_checks
 
     return {"cp2-tp2-sp": context_parallel_exactness(2, True, [("zigzag", 2), ("contiguous", 0)],
                                                            mixed_layouts=True),
@@ -134,7 +135,8 @@ def _world(rank: int, world_size: int) -> dict:
             "cp4": context_parallel_exactness(1, False, [("zigzag", 0), ("contiguous", 1)], context_parallel=4),
             "cp2-mtp": _mtp(),
             "cp2-pp2-mtp": _pipeline_mtp(),
-            "cp2-mla-moe-mtp": _latent_moe_mtp()}
+            "cp2-mla-moe-mtp": _latent_moe_mtp(),
+            "cp2-tp2-shares": share_checks()}
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +261,33 @@ def test_context_parallel_ranks_given_ids_cut_in_different_layouts_are_told_so_a
         message = rank["cp2-tp2-sp"].get(("mixed", -1))
         assert message is not None and "cp_layout differs between the ranks of the context-parallel group" in message
         assert "zigzag" in message and "contiguous" in message
+
+
+def test_a_layers_own_share_reads_its_group_and_the_layout_its_ids_were_cut_in(world):
+    """`context_parallel_group` / `group_share` (slime's gated delta net layers' seam at CP > 1): the
+    module's own CP group where it names one, else megatron-core's, none at CP size 1; each CP rank's
+    share in the layout its ids were cut in, over the CP group (2 ranks beside TP = 2, not the world's
+    4); the stream gathered from every rank's rows in order, each rank's gradient the sum of every
+    rank's on its own rows; every logical row found in the ranks' rows gathered, in each layout;
+    ranks cut in different layouts refused alike, naming the layouts and the group."""
+    from kit.shared_prefix import grpo_batch
+
+    from megatron_rl_patches.ops.context_rows import local_rows
+
+    bounds = grpo_batch(((33, (3, 7)), (21, (3, 7, 11))), (), padding=8, seed=1).cu_seqlens  # share_checks' batch
+    for index, rank in enumerate(world):
+        found = rank["cp2-tp2-shares"]
+        cp = found["cp ranks"]
+        assert len(cp) == 2 and (found["its own group"], found["megatron's group"], found["one rank"]) == (
+            [0, 1, 2, 3], cp, None)
+        mine = cp.index(index)
+        for layout in ("zigzag", "contiguous"):
+            want = local_rows(layout, mine, 2, cu_seqlens=bounds).tolist()
+            assert found[layout] == (2, mine, layout, want, cp)
+        assert found["no group"] is None
+        assert found["gathered"] == (True, True) and found["positions taken"]  # the stream, its gradient summed
+        assert found["zigzag order"] and found["contiguous order"]
+        said = f"rank {cp[0]}: zigzag, rank {cp[1]}: contiguous"  # CP rank 0 cut zigzag, CP rank 1 contiguous
+        assert found["mixed"] == (
+            "a shared-prefix plan's context-parallel layout (shared_prefix_params' cp_layout): cp_layout differs "
+            f"between the ranks of the context-parallel group {cp} ({said}): pass the same cp_layout on every rank")

@@ -132,9 +132,52 @@ def test_the_plan_never_outlives_the_layer_call(megatron_cpu, moe_router_on_cpu)
     assert all(moe_statistics.layer_params(router) is None for router in routers)
 
 
-def test_a_module_recomputed_alone_is_refused_by_name(megatron_cpu, moe_router_on_cpu):
+RECOMPUTED_ALONE = ("shared prefix: MoE routing statistics in training with the MLP / MoE module recomputed on its own "
+                    "(recompute_modules 'mlp' / 'moe') are not taken with a shared-prefix plan; recompute whole layers "
+                    "(recompute_granularity='full') or none")
+
+
+@pytest.mark.parametrize("recomputed", ["moe", "mlp"])
+def test_a_module_recomputed_alone_is_refused_by_name(megatron_cpu, moe_router_on_cpu, recomputed):
     batch = constant_padding(((30, (5, 3)),), (), padding=0)
     model = _model(**STATISTICS["z-loss"])
-    model.decoder.layers[0].mlp.moe_layer_recompute = True
-    with pytest.raises(ValueError, match="recompute_modules 'mlp' / 'moe'"):
+    if recomputed == "moe":
+        model.decoder.layers[0].mlp.moe_layer_recompute = True
+    else:  # the transformer layer's own flag (recompute_modules 'mlp')
+        model.decoder.layers[0].recompute_mlp = True
+    with pytest.raises(ValueError) as refused:
         planned(model, batch)
+    assert str(refused.value) == RECOMPUTED_ALONE
+
+
+def test_a_router_counts_statistics_only_where_one_is_on(megatron_cpu, moe_router_on_cpu):
+    """megatron-core's own top-k router: no statistic where the balancing type's coefficient is 0
+    (megatron-core 0.13 has no `is_aux_loss_enabled`: the type and the coefficient read there), each
+    statistic of STATISTICS on its own counted."""
+    from megatron_rl_patches.shared_prefix.moe_statistics import counts_statistics, is_router
+
+    off = {"none": {}, "aux-loss at 0": dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0),
+           "seq-aux-loss at 0": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.0)}
+    for name, overrides in {**off, **STATISTICS}.items():
+        router = _model(**overrides).decoder.layers[0].mlp.router  # as megatron-core's MoE layer builds it
+        if name == "global-aux-loss" and not hasattr(router, "reset_global_aux_loss_tracker"):
+            continue  # megatron-core 0.13 has no global_aux_loss
+        assert is_router(router) and counts_statistics(router) is (name not in off), name
+
+
+def test_a_router_seeing_other_rows_than_the_plans_stream_is_refused_whole(megatron_cpu, moe_router_on_cpu):
+    """A planned router in training handed fewer rows than the plan's stream at one tensor-parallel
+    rank (neither the whole stream nor a sequence-parallel share of it): refused, its words whole."""
+    from megatron_rl_patches.shared_prefix import moe_statistics, prepare_shared_prefix, shared_prefix_params
+
+    batch = constant_padding(((30, (5, 3)),), (), padding=0)
+    model = prepare_shared_prefix(_model(**STATISTICS["z-loss"]))
+    params = shared_prefix_params(batch.plan())
+    stream = moe_statistics.shared_prefix_plan_of(params).physical_length
+    router = model.decoder.layers[0].mlp.router
+    setattr(router, moe_statistics.LAYER_PARAMS, params)  # as the layer's call hands it
+    with pytest.raises(ValueError) as refused:
+        router.routing(torch.zeros(stream - 1, 1, router.config.num_moe_experts))
+    assert str(refused.value) == (f"shared prefix: the router sees {stream - 1} rows, the plan's stream {stream}: a "
+                                  "router's statistics are counted on the whole stream or on its sequence-parallel "
+                                  "share")

@@ -9,16 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.shared_prefix import packed_ids
 
 from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
 
-
-def _packed(samples, padding=0):
-    tokens = torch.tensor([t for s in samples for t in s] + [0] * padding)
-    cu = [0]
-    for s in samples:
-        cu.append(cu[-1] + len(s))
-    return tokens, cu
+_packed = packed_ids
 
 
 def _visible(plan, row):

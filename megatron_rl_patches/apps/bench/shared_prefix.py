@@ -7,7 +7,9 @@ through the same model, attention and fused log-prob head (the response rows onl
 - `unshared`: each sample whole, each attending to itself (a plan that shares nothing: the packed
   path with a per-sample attention core, as Transformer Engine's on a GPU; megatron-core's local core
   on CPU would build a dense [T, T] mask and is left out);
-- `shared prefix`: the prompt computed once (`megatron_rl_patches.shared_prefix`'s sharing plan).
+- `shared prefix`: the prompt computed once (`megatron_rl_patches.shared_prefix`'s sharing plan);
+  in `--shape multi-turn` every shared run of turns once, beside `shared prefix, one level`
+  (`levels=1`: each group's longest common prefix once, then each sample's rest whole).
 Each row: the tokens the embedding is handed, the forward-only pass's time (no grad) and the
 training step's (forward + backward of a loss on the response log-probs), medians over rounds that
 alternate the two rows after a warm-up round, one torch thread: the process's CPU time (`_cpu_ms`,
@@ -42,7 +44,10 @@ MULTI_TURN: dict[str, Any] = {**FULL, "shape": "multi-turn", "rounds": 2, "cases
 MULTI_TURN_QUICK: dict[str, Any] = {**QUICK, "shape": "multi-turn", "cases": (), "system": 24, "user": 4,
                                     "assistant": 6, "branches": (1, 2, 2, 1)}
 SHAPES = ("grpo", "multi-turn")
-UNSHARED, SHARED, ONE_LEVEL = "unshared", "shared prefix", "one-level plan"
+# the packings as the rows, the plots and docs/benchmarks.md name them: the package's sharing plan is
+# "shared prefix" (every level a run of leading tokens is shared at); `levels=1` shares each group's
+# longest common prefix only
+UNSHARED, SHARED, ONE_LEVEL = "unshared", "shared prefix", "shared prefix, one level"
 COLUMNS = ("case", "packing", "tokens", "forward_ms", "forward_cpu_ms", "forward_vs_unshared", "train_ms",
            "train_cpu_ms", "train_vs_unshared", "activations_MiB", "activations_vs_unshared", "max_abs_diff", "note")
 

@@ -39,6 +39,7 @@ from megatron_rl_patches.apps.bench.shared_prefix import (
     one_pass,
 )
 from megatron_rl_patches.apps.bench.shared_prefix_rows import timed_row
+from megatron_rl_patches.apps.quiet import hide_import_notes
 
 MODELS = ("hybrid", "deepseek", "cp2")
 SHAPES = (*MODELS, "models")  # `models`: the three in one table
@@ -306,6 +307,7 @@ def cp_rank(rank: int, world_size: int, plan: dict) -> tuple[dict, dict]:
     from megatron_rl_patches.shared_prefix import prepare_shared_prefix
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
+    hide_import_notes()  # megatron-core's notes on this rank's CPU (the table's process hides its own)
     p, r, g = plan["case"]
     with one_thread(), output_processor_patched(), megatron_on_cpu(context_parallel=CP_SIZE):
         model = prepare_shared_prefix(cp_model(plan))
@@ -365,11 +367,20 @@ def measure(plan: dict, models: tuple[str, ...]) -> list[dict]:
     return failed + rows
 
 
+def vocabulary_words(plan: dict, models: tuple[str, ...]) -> str:
+    """The vocabularies of `models` as the title says them: the DeepSeek-shaped model's is its own
+    (DEEPSEEK_VOCAB_PER_HIDDEN x the width), every other model's the plan's."""
+    own = f"{deepseek_vocab(plan)} ({DEEPSEEK_VOCAB_PER_HIDDEN} x hidden, DeepSeek-V3's proportion)"
+    if models == ("deepseek",):
+        return f"vocab {own}"
+    return f"vocab {plan['vocab']}" + (f" (deepseek: {own})" if "deepseek" in models else "")
+
+
 def described(plan: dict, models: tuple[str, ...]) -> str:
     hidden, heads = plan["hidden"], plan["heads"]
     return (f"shared-prefix packing on slime's model kinds ({', '.join(models)}): {plan['layers']} layers x {hidden} "
-            f"hidden, {heads} heads of {hidden // heads}, vocab {plan['vocab']}, fp32,\n{cpu_name()}, one thread a "
-            f"process; {plan['rounds']} interleaved rounds")
+            f"hidden, {heads} heads of {hidden // heads}, {vocabulary_words(plan, models)}, fp32,\n{cpu_name()}, "
+            f"one thread a process; {plan['rounds']} interleaved rounds")
 
 
 def run(quick: bool = False, out_dir: str | None = None, shape: str = "models") -> list[dict]:

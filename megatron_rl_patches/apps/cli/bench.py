@@ -24,6 +24,7 @@ import tempfile
 from megatron_rl_patches.apps.bench import gpu, ops
 from megatron_rl_patches.apps.bench.progress import HEARTBEAT_S, ticking
 from megatron_rl_patches.apps.bench.shared_prefix_shapes import ALL_SHAPES as SHARED_PREFIX_SHAPES
+from megatron_rl_patches.apps.bench.shared_prefix_shapes import duration as shared_prefix_duration
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
 from megatron_rl_patches.settings import ascii_int
 
@@ -56,11 +57,11 @@ SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load",
 OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256, "hidden size"),
                ("--runs", 3, "interleaved runs per op and side (medians)"))
 # Rough wall time of each full benchmark on an idle 2-core CPU (docs/benchmarks.md); --quick takes seconds.
+# `shared-prefix`: each shape its own (`shared_prefix_shapes.DURATIONS`).
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
              "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "teacher-layout": "3-5 min",
              "share-scores": "3-6 min", "hidden-dtypes": "3-5 min", "load": "3-4 min",
-             "context": "2-3 min", "self-teacher": "2-3 min", "shared-prefix": "6-9 min",
-             "grouping": "20-40 s",
+             "context": "2-3 min", "self-teacher": "2-3 min", "grouping": "20-40 s",
              "shared-prefix-attention": "1 min on a GPU"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd", "invariant")
@@ -96,9 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "against the invariant mode at V = 151,936); bench logprobs: invariant")
     parser.add_argument("--shape", choices=SHARED_PREFIX_SHAPES, default=None,
                         help="bench shared-prefix: GRPO groups (default) or an agent's multi-turn trace (4 turns "
-                             "branching 4 x 4, and one sample per turn) against the one-level plan; hybrid (gated "
-                             "delta nets 3:1), deepseek (MLA + MoE + MTP), cp2 (context parallelism 2: 2 ranks), "
-                             "models (those three in one table); all: every shape")
+                             "branching 4 x 4, and one sample per turn), shared at every level against one level "
+                             "only; hybrid (gated delta nets 3:1), deepseek (MLA + MoE + MTP), cp2 (context "
+                             "parallelism 2: 2 ranks), models (those three in one table); all: every shape")
     ops = parser.add_argument_group("bench ops")
     ops.add_argument("--baseline", metavar="REV", help="bench ops: the git revision to compare with (e.g. main)")
     ops.add_argument("--invariant", action="store_true",
@@ -169,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         options = {"only": args.only} if args.only is not None else {}
         if args.shape is not None:
             options["shape"] = args.shape
-        took = (f"about {DURATIONS[name]} on an idle 2-core CPU; --quick takes seconds" if not args.quick
+        full = shared_prefix_duration(args.shape) if name == "shared-prefix" else DURATIONS[name]
+        took = (f"about {full} on an idle 2-core CPU; --quick takes seconds" if not args.quick
                 else "about 30 s: a spawned world or a model" if name in NOT_IN_QUICK_ALL else "seconds")
         print(f"bench {name}: running ({took}); a line per case as it ends, and one at least every "
               f"{HEARTBEAT_S:.0f} s", file=sys.stderr, flush=True)

@@ -134,12 +134,16 @@ class PrefixPass:
             self.figures[name] = self.figures.get(name, 0) + value
 
     def log(self) -> None:
-        """The pass's figures in one line (rank 0's logger)."""
+        """The pass's figures in one line (rank 0's logger), summed over its micro-batches: the tokens
+        computed for those packed, the samples in groups sharing a prefix (a group counted once per
+        micro-batch holding it) and the samples alone."""
         logical, physical = self.figures.get("logical_tokens", 0), self.figures.get("physical_tokens", 0)
         if logical:
-            logger.info("shared prefix: %s computed %d tokens for %d (%.2fx), %d groups of %d samples, %d alone",
-                        self.what, physical, logical, logical / max(physical, 1), self.figures.get("groups", 0),
-                        self.figures.get("shared_samples", 0), self.figures.get("alone", 0))
+            groups = self.figures.get("groups", 0)
+            logger.info("shared prefix: %s computed %d tokens for %d (%.2fx fewer), %d samples in %d group%s "
+                        "sharing a prefix, %d alone", self.what, physical, logical, logical / max(physical, 1),
+                        self.figures.get("shared_samples", 0), groups, "" if groups == 1 else "s",
+                        self.figures.get("alone", 0))
 
 
 @contextlib.contextmanager

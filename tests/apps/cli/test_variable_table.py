@@ -85,24 +85,24 @@ def test_the_summary_reads_the_switch():
     assert summary["invariant"] is None and any(INVARIANT in error for error in summary["errors"])
 
 
-def readme_table_names() -> set[str]:
-    """The names the README's variable table describes: each row's first cell (`..._OPD_*`: the
-    family, every MEGATRON_RL_PATCHES_OPD_ name)."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+def variable_table_names() -> set[str]:
+    """The names docs/variables.md's table describes (the README's until it became a first page,
+    issue 122): each row's first cell (`..._OPD_*`: the family, every MEGATRON_RL_PATCHES_OPD_ name)."""
+    text = (REPO / "docs" / "variables.md").read_text(encoding="utf-8")
     table = text[text.index("| variable | meaning |"):].split("\n\n", 1)[0]
     rows = [line.split("|")[1] for line in table.splitlines()[2:] if line.startswith("|")]
     return {name for cell in rows for name in NAME.findall(cell)}
 
 
-def test_every_variable_the_package_reads_is_in_the_readmes_table():
+def test_every_variable_the_package_reads_is_in_the_variable_table():
     """Issue 72 item 10c: the package's table of what it reads (every reading module takes its name
     from there) and every name a source writes (what a grep of the package finds), less the
-    launcher's own (`run` sets it for its children), each a row of the README's table."""
+    launcher's own (`run` sets it for its children), each a row of docs/variables.md's table."""
     written = {name for where, text in texts().items() if where.startswith("megatron_rl_patches")
                for name in written_names(text)}
     read = (set(variable_names()) | written) - MISSPELLINGS - {env.LAUNCHER_ROOT}  # the prefix: the check's
-    described = readme_table_names()
+    described = variable_table_names()
     missing = sorted(name for name in read
                      if name not in described and not (name.startswith(OPD_FAMILY) and OPD_FAMILY in described))
-    assert not missing, f"read by the package, missing from the README's variable table: {missing}"
+    assert not missing, f"read by the package, missing from docs/variables.md's table: {missing}"
     assert env.LAUNCHER_ROOT in written  # the grep sees the start-up shim's literal read

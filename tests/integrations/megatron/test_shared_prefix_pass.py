@@ -7,6 +7,7 @@ whole and counted, decided from the micro-batch alone (every pipeline stage alik
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_
 from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
 
 pytestmark = pytest.mark.megatron
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _model(**overrides):
@@ -40,8 +42,9 @@ def test_the_pass_plans_each_micro_batch_and_sums_its_figures(megatron_cpu, capl
     assert physical <= 2 * (40 + 5 + 9 + 3 + 12) and planned.figures["physical_tokens"] == physical
     with caplog.at_level(logging.INFO, logger="megatron_rl_patches"):
         planned.log()
-    assert (f"shared prefix: a pass computed {physical} tokens for 298 ({298 / physical:.2f}x), 2 groups of 6 "
-            "samples, 2 alone") in caplog.text
+    # issue 119 item 7: "2 groups of 6 samples" read as 12 samples; the figures are 6 samples in 2 groups
+    assert (f"shared prefix: a pass computed {physical} tokens for 298 ({298 / physical:.2f}x fewer), 6 samples "
+            "in 2 groups sharing a prefix, 2 alone") in caplog.text
     # padding: 4 rows of varying ids a micro-batch, each its own row; slime's, of one id, one row for this model
     assert planned.figures["padding_tokens"] == planned.figures["padding_rows"] == 2 * 4
     assert planned.repeated_padding_once  # rotary positions, no attention sink, no recurrent layer
@@ -54,6 +57,16 @@ def test_the_pass_plans_each_micro_batch_and_sums_its_figures(megatron_cpu, capl
     absolute = build_packed_gpt(seq_length=256, config=tiny_gpt_config(), position_embedding_type="learned_absolute")
     learned = prefix_pass("a pass", [absolute], training=True, enabled=True)
     assert learned is not None and not learned.repeated_padding_once  # each row reads its own position
+    # docs/shared-prefix.md's line: one GRPO group of 8 (P = 1,024, R = 128), as the pass prints it
+    planned.figures = {"logical_tokens": 9216, "physical_tokens": 2048, "groups": 1, "shared_samples": 8, "alone": 0}
+    planned.what = "slime's training step"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_rl_patches"):
+        planned.log()
+    (shown,) = [line for line in (REPO / "docs" / "shared-prefix.md").read_text().splitlines()
+                if line.startswith("shared prefix: slime's training step computed")]
+    assert caplog.messages == [shown] == ["shared prefix: slime's training step computed 2048 tokens for 9216 "
+                                          "(4.50x fewer), 8 samples in 1 group sharing a prefix, 0 alone"]
 
 
 def test_a_micro_batch_a_plan_does_not_take_is_packed_whole_and_counted(megatron_cpu, clean_patch_state, caplog):

@@ -4,10 +4,11 @@ free port, nothing else changed, and none of the CPU backend's variables from th
 line's own prefix is what lets it start), each distinct line once, all at once; each answers its
 route (prompt log-probs, or the pooling task at the head's width). Then docs/distillation.md's
 whole-vocabulary block runs as written against the pooling line's server, and the replica run of
-README.md and docs/distillation.md runs as written against two replicas of the tiny teacher (the
-replicas' own line's server and the lane's server of the same checkpoint, which is the docs'
-`--save-teacher` directory: tests/examples/test_served_teacher_example_cli.py), one of them stopped
-by the block mid-run (last: it stops that server)."""
+docs/distillation.md (the README's until it became a first page) runs as written against two
+replicas of the tiny teacher (the replicas' own line's server and the lane's server of the same
+checkpoint, which is the docs' `--save-teacher` directory:
+tests/examples/test_served_teacher_example_cli.py), one of them stopped by the block mid-run (last:
+it stops that server)."""
 from __future__ import annotations
 
 import contextlib
@@ -123,10 +124,10 @@ def test_the_replica_servers_block_keeps_each_replicas_process_id():
 
 def replica_blocks() -> tuple:
     """(the servers block, the run block, the output block) of the replica run, the same on each page
-    that shows it (README.md and docs/distillation.md)."""
+    that shows it (docs/distillation.md; README.md links it)."""
     blocks, _ = doc_servers()
     shown = {}
-    for page in ("README.md", "docs/distillation.md"):
+    for page in ("docs/distillation.md",):
         found = blocks.page_blocks(blocks.REPO / page)
         (i,) = [n for n, block in enumerate(found) if REPLICA_RUN in block.text]
         shown[page] = found[i - 1:i + 2]

@@ -85,7 +85,7 @@ def test_one_and_two_ranks_train_alike_and_the_optimizer_moves_the_student(runs,
         assert len(set(weights)) == STEPS  # each step's optimizer step moved the output layer
 
 
-# the example's two command lines as pasted (README, the script's docstring): each serves its own teacher
+# the example's two command lines as pasted (the script's docstring): each serves its own teacher
 AS_PASTED = {"top-k": ("--tp", "2", "--steps", "2"), "head": ("--head", "--tp", "2", "--steps", "1")}
 
 
@@ -230,7 +230,7 @@ def test_the_whole_vocabulary_route_at_one_and_two_ranks_against_float64(head_ru
 
 
 def test_the_whole_vocabulary_script_runs_as_pasted_serving_its_own_teacher(head_runs, as_pasted):
-    """The README's `.venv/bin/python examples/served_teacher_loop.py --vllm-python ... --head --tp 2`
+    """The docstring's `.venv/bin/python examples/served_teacher_loop.py --vllm-python ... --head --tp 2`
     in a fresh interpreter: its own pooling server of the same tiny teacher, the same loss."""
     proc = as_pasted("head")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
