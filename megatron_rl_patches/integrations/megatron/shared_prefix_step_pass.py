@@ -26,7 +26,7 @@ import torch
 
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops.agreement import agree, agreed_max, gathered_objects, world
-from megatron_rl_patches.shared_prefix.held_refusals import local_held_reasons
+from megatron_rl_patches.shared_prefix.held_refusals import config_held_reasons, local_held_reasons
 from megatron_rl_patches.shared_prefix.model_hooks import shared_prefix_params
 from megatron_rl_patches.shared_prefix.step import plan_shared_prefix_step
 
@@ -145,3 +145,30 @@ def held_params(held: tuple[PackedMicroBatch, Any], tokens: Any, packed_seq_para
                            "from at the pass's door (the host packed other ids or boundaries); please report this "
                            "with the host's version, and unset MEGATRON_RL_PATCHES_SHARED_PREFIX meanwhile")
     return shared_prefix_params(plan)
+
+
+# a computed row's activations per layer kept for backward, in numbers (Korthikanti et al., 2022: 34 · h bytes
+# in 16-bit numbers, attention's scores left out as flash attention keeps none)
+ACTIVATIONS_PER_ROW = 17
+
+
+def step_held_cost(args: Any) -> float | None:
+    """What a row held across a training step's micro-batches costs against a computed row, for a model
+    of Megatron's arguments `args` (`shared_prefix_micro_batches(held_cost=)`): per attention layer its
+    keys and values and their gradients (4 · key/value groups · head width numbers) over a computed
+    row's activations (`ACTIVATIONS_PER_ROW` · hidden size); None where the model's steps would not
+    hold segments (`config_held_reasons`, context parallelism, MTP), read from the arguments alone (a
+    scheduler that has no model: slime's rollout manager)."""
+    experts = getattr(args, "num_experts", None) or getattr(args, "num_moe_experts", None)
+    if (config_held_reasons(args, training=True) or int(getattr(args, "context_parallel_size", 1) or 1) > 1
+            or getattr(args, "mtp_num_layers", None) or (experts and getattr(
+                args, "moe_router_load_balancing_type", None) == "sinkhorn")):
+        return None
+    hidden = getattr(args, "hidden_size", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int) or hidden < 1 or heads < 1:
+        return 4 / ACTIVATIONS_PER_ROW  # multi-head attention's: key/value groups · head width = hidden size
+    width = getattr(args, "kv_channels", None) or hidden // heads
+    groups = (getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None) \
+        or heads
+    return min(1.0, 4 * groups * width / (ACTIVATIONS_PER_ROW * hidden))
