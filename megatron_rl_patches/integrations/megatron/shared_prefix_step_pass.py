@@ -18,7 +18,7 @@ micro-batch then takes its plan by its index in the pass (`PrefixPass.params(ind
 against the ids the host packed."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -26,6 +26,7 @@ import torch
 
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops.agreement import agree, agreed_max, gathered_objects, world
+from megatron_rl_patches.settings import strict
 from megatron_rl_patches.shared_prefix.held_refusals import config_held_reasons, local_held_reasons
 from megatron_rl_patches.shared_prefix.model_hooks import shared_prefix_params
 from megatron_rl_patches.shared_prefix.step import plan_shared_prefix_step
@@ -132,6 +133,35 @@ def hold_steps(prefix: Any, model: Any, *, training: bool, steps: Sequence[Seque
         "checksum": fingerprint[2]}, where="the tensor-parallel group")
     prefix.held = held
     return True
+
+
+def hold_scheduled(prefix: Any, model: Any, *, training: bool, rollout: Any, indices: Any, counts: Sequence[int],
+                   first: int, budget: Any, pad_multiple: int) -> bool:
+    """`hold_steps` for a host that hands a pass its rollout's per-sample fields (`rollout`: "tokens",
+    and "multimodal_train_inputs" where samples carry images; slime's data iterator's) and its schedule
+    (`indices[j]`: the samples of micro-batch j; `counts[s]`: step s's micro-batches, the first micro-batch
+    `first`), packed as slime's `get_batch` packs them at CP = 1 (padded to `pad_multiple` times the
+    tensor-parallel size); `budget`: the micro-batch budget (None: none)."""
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+    steps: list | None = None
+    refusal = None
+    if not isinstance(rollout, Mapping) or "tokens" not in rollout or not isinstance(indices, Sequence):
+        refusal = "a data iterator without the rollout's samples and micro-batch indices"
+    elif any(one is not None for one in rollout.get("multimodal_train_inputs") or []):
+        refusal = "multimodal inputs (multimodal_train_inputs)"
+    elif sum(counts) + first > len(indices):
+        refusal = f"{sum(counts)} micro-batches from {first} in a schedule of {len(indices)}"
+    else:
+        multiple = parallel_state.get_tensor_model_parallel_world_size() * pad_multiple
+        steps, at = [], first
+        for count in counts:
+            steps.append([packed_micro_batch([rollout["tokens"][i] for i in indices[j]], multiple)
+                          for j in range(at, at + count)])
+            at += count
+    return hold_steps(prefix, model, training=training, steps=steps, first=first, refusal=refusal, strict=strict(),
+                      max_tokens=budget if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0
+                      else None)
 
 
 def held_params(held: tuple[PackedMicroBatch, Any], tokens: Any, packed_seq_params: Any, index: int) -> Any:

@@ -13,7 +13,7 @@ travels with the data slime hands them: the iterators a fused call passes on, an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +21,11 @@ from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import training_request
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TopkRequest
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
-from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import hold_steps, packed_micro_batch
+from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import hold_scheduled
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
 from megatron_rl_patches.integrations.slime.model_kinds import register_model_kinds
-from megatron_rl_patches.settings import shared_prefix, strict
+from megatron_rl_patches.settings import shared_prefix
 
 
 @dataclass
@@ -74,10 +74,9 @@ def slime_prefix_pass(args: Any, model: Any, what: str, training: bool, iterator
     `get_batch` keeps every sample whole beside each context-parallel rank's cut (zigzag, or a contiguous
     slice with --allgather-cp), so its passes plan at context parallelism too (`whole_micro_batch`). slime's
     routing replay (--use-routing-replay, --use-rollout-routing-replay) replays routes per packed token: its
-    passes pack whole, said once in slime's words (`shared_prefix_doors`). `iterators` (slime's data
-    iterators), `counts` (the pass's micro-batches per step) and `first` (the index of its first in
-    slime's schedule; None: the iterators' offset): the pass plans each step's micro-batches together
-    where the budget cut a group (`hold_steps`)."""
+    passes pack whole, said once in slime's words (`shared_prefix_doors`). With slime's data `iterators`,
+    the pass's micro-batches per step (`counts`) and the first's index in slime's schedule (`first`; None:
+    the iterators' offset) each step's micro-batches are planned together where the budget cut a group."""
     cut = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
     layout = Layout(context_layout=cut, routing_replay=bool(getattr(args, "use_routing_replay", False)
                                                             or getattr(args, "use_rollout_routing_replay", False)))
@@ -85,38 +84,13 @@ def slime_prefix_pass(args: Any, model: Any, what: str, training: bool, iterator
     prefix = prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=cut,
                          framework=SLIME, layout=layout)
     if prefix is not None and counts is not None:
-        if first is None:
-            first = int(getattr(iterators[0] if isinstance(iterators, Sequence) and iterators else iterators,
-                                "offset", 0))
-        steps, refusal = slime_steps(args, iterators, counts, first)
+        iterator = iterators[0] if isinstance(iterators, Sequence) and iterators else iterators
         budget = getattr(args, "max_tokens_per_gpu", None) if getattr(args, "use_dynamic_batch_size", False) else None
-        hold_steps(prefix, model, training=training, steps=steps, first=first, refusal=refusal, strict=strict(),
-                   max_tokens=budget if isinstance(budget, int) and budget > 0 else None)
+        hold_scheduled(prefix, model, training=training, rollout=getattr(iterator, "rollout_data", None),
+                       indices=getattr(iterator, "micro_batch_indices", None), counts=counts,
+                       first=int(getattr(iterator, "offset", 0)) if first is None else first, budget=budget,
+                       pad_multiple=int(getattr(args, "data_pad_size_multiplier", 128)))
     return prefix
-
-
-def slime_steps(args: Any, iterators: Any, counts: Sequence[int], first: int) -> tuple[list | None, str | None]:
-    """The micro-batches of each step of a slime pass (`counts[s]` of step s, from the pass's micro-batch
-    `first` on) packed as slime's `get_batch` packs them at CP = 1, read from its data iterator's
-    rollout data and schedule; or None and why not."""
-    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
-
-    iterator = iterators[0] if isinstance(iterators, Sequence) and iterators else iterators
-    data, indices = getattr(iterator, "rollout_data", None), getattr(iterator, "micro_batch_indices", None)
-    if not isinstance(data, Mapping) or "tokens" not in data or not isinstance(indices, Sequence):
-        return None, "a data iterator without slime's rollout data and micro-batch indices"
-    if any(one is not None for one in data.get("multimodal_train_inputs") or []):
-        return None, "multimodal inputs (multimodal_train_inputs)"
-    if sum(counts) + first > len(indices):
-        return None, f"{sum(counts)} micro-batches from {first} in a schedule of {len(indices)}"
-    multiple = parallel_state.get_tensor_model_parallel_world_size() * int(getattr(args, "data_pad_size_multiplier",
-                                                                                   128))
-    steps, at = [], first
-    for count in counts:
-        steps.append([packed_micro_batch([data["tokens"][i] for i in indices[j]], multiple)
-                      for j in range(at, at + count)])
-        at += count
-    return steps, None
 
 
 @dataclass(frozen=True)
