@@ -126,7 +126,7 @@ def hold_steps(prefix: Any, model: Any, *, training: bool, steps: Sequence[Seque
         stats = planned.stats
         for name, value in (("physical_tokens", stats.computed_tokens), ("held_tokens", stats.held_tokens),
                             ("saved_tokens", stats.logical_tokens - stats.computed_tokens),
-                            ("recomputed_tokens", stats.recomputed_tokens)):
+                            ("recomputed_tokens", stats.recomputed_tokens if training else 0)):  # in backward
             prefix.figures[name] = prefix.figures.get(name, 0) + value
     agree(prefix.group, "a pass's shared-prefix step plans", match={
         "micro-batches": len(held), "physical rows": fingerprint[0], "logical rows": fingerprint[1],
