@@ -8,7 +8,7 @@ computed again in each part. Here each step's micro-batches get one sharing plan
 training its backward runs once, in its last reader's (forward-only passes hold without gradients).
 The door decides it, alike on every rank before the pass's first collective: a model that cannot hold
 segments (`local_held_reasons`: pipeline stages, MTP, DSA, dropout in training, Sinkhorn), context
-parallelism (the held path is not wired through a host's context-parallel cut), or a step the plan
+parallelism (holding is not wired through a host's context-parallel cut), or a step the plan
 refuses (an id past the vocabulary, a vision-language sample, no schedule to read) on any rank
 plans each micro-batch on its own as before, said once (a ValueError on every rank under
 MEGATRON_RL_PATCHES_STRICT=1 where a step has two micro-batches or more). The plans are agreed over
@@ -24,9 +24,9 @@ from typing import Any, cast
 
 import torch
 
+from megatron_rl_patches import settings
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops.agreement import agree, agreed_max, gathered_objects, world
-from megatron_rl_patches.settings import strict
 from megatron_rl_patches.shared_prefix.held_refusals import config_held_reasons, local_held_reasons
 from megatron_rl_patches.shared_prefix.model_hooks import shared_prefix_params
 from megatron_rl_patches.shared_prefix.step import plan_shared_prefix_step
@@ -159,9 +159,9 @@ def hold_scheduled(prefix: Any, model: Any, *, training: bool, rollout: Any, ind
             steps.append([packed_micro_batch([rollout["tokens"][i] for i in indices[j]], multiple)
                           for j in range(at, at + count)])
             at += count
-    return hold_steps(prefix, model, training=training, steps=steps, first=first, refusal=refusal, strict=strict(),
-                      max_tokens=budget if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0
-                      else None)
+    counted = isinstance(budget, int) and not isinstance(budget, bool) and budget > 0
+    return hold_steps(prefix, model, training=training, steps=steps, first=first, refusal=refusal,
+                      strict=settings.strict(), max_tokens=budget if counted else None)
 
 
 def held_params(held: tuple[PackedMicroBatch, Any], tokens: Any, packed_seq_params: Any, index: int) -> Any:
