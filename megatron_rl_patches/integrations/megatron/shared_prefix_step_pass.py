@@ -110,7 +110,8 @@ def hold_steps(prefix: Any, model: Any, *, training: bool, steps: Sequence[Seque
         if not step:
             continue
         planned = plan_shared_prefix_step([(b.tokens, b.cu_seqlens) for b in step], samples=[b.samples for b in step],
-                                          pad_to=prefix.pad_to, max_tokens=max_tokens, group=group)
+                                          pad_to=prefix.pad_to, max_tokens=max_tokens, group=group,
+                                          repeated_padding_once=prefix.repeated_padding_once)
         holds = int(planned.stats.held_tokens > 0)
         if not (agreed_max(group, holds) if group is not None else holds):  # nothing cut: planned per micro-batch
             index += len(step)

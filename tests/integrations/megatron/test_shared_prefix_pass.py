@@ -172,7 +172,7 @@ def test_a_pass_plans_each_step_together_where_the_budget_cut_a_group(megatron_c
     prompt = torch.randint(0, 64, (30,), generator=gen)
     samples = [torch.cat([prompt, torch.randint(0, 64, (n,), generator=gen)]) for n in (3, 5, 4, 6)]
     samples.append(torch.randint(0, 64, (9,), generator=gen))
-    cut = [packed_micro_batch([samples[i] for i in batch], 4) for batch in ([0, 1], [2], [3, 4])]
+    cut = [packed_micro_batch([samples[i] for i in batch], 16) for batch in ([0, 1], [2], [3, 4])]
     whole = [packed_micro_batch(samples[:4], 4), packed_micro_batch(samples[4:], 4)]
 
     def params(batch):
@@ -185,6 +185,9 @@ def test_a_pass_plans_each_step_together_where_the_budget_cut_a_group(megatron_c
     assert planned is not None and hold_steps(planned, [model], training=False, steps=[cut, whole], first=3)
     assert sorted(planned.held) == [3, 4, 5]  # the cut step; the whole groups' step planned per micro-batch
     assert planned.figures["held_tokens"] == 30 and planned.figures["physical_tokens"] == 30 + 3 + 5 + 4 + 6 + 9
+    # slime's padding (one repeated id) on one row each, as the plan per micro-batch lays it out for this model
+    padding = [(plan.stats.padding_tokens, plan.stats.padding_rows) for _, plan in planned.held.values()]
+    assert padding == [(12, 1), (14, 1), (3, 1)]
     with torch.no_grad():
         for index, batch in enumerate(cut):
             ids, plain = batch.tokens[None], params(batch)
