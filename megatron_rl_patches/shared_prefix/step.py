@@ -244,10 +244,12 @@ def units(tree: TreeLayout, segments: set[int], most: int | None) -> list[set[in
 
 def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[int] | None = None,
                             pad_to: int = 1, min_shared: int = 1, levels: int | None = None,
-                            max_tokens: int | None = None, group: Any = None) -> SharedPrefixStep:
+                            max_tokens: int | None = None, group: Any = None,
+                            repeated_padding_once: bool = False) -> SharedPrefixStep:
     """The shared-prefix plans of one step's micro-batches, `micro_batches[i]` = (tokens [T_i] or
     [1, T_i], cu_seqlens [n_i + 1]) packed as for `plan_shared_prefix` (`samples[i]`: how many of its
-    sequences are samples; `pad_to`, `min_shared`, `levels` as there, over the step's samples).
+    sequences are samples; `pad_to`, `min_shared`, `levels`, `repeated_padding_once` as there, over the
+    step's samples).
     `max_tokens`: the most rows any one forward computes (the micro-batch budget): a segment longer
     is cut into chunks, each continuing the one before, and a micro-batch whose own rows exceed it
     holds its largest segments (side pass, recompute) until they fit. `group`: ranks whose forwards run
@@ -308,7 +310,8 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
                                    kept)
         token_at += count
         held_length = sum(int(tree.lengths[s]) for s in read)
-        main = plan_of_layout(batch, tree_of_batch, pad_to, held_rows=held_length)
+        main = plan_of_layout(batch, tree_of_batch, pad_to, held_rows=held_length,
+                              repeated_padding_once=repeated_padding_once)
         first = units(tree, {s for s in read if min(readers[s]) == index}, max_tokens)
         last = units(tree, {s for s in read if max(readers[s]) == index}, max_tokens)
         shapes.append((layout, read, tree_of_batch, held_length, main, first, last))
@@ -321,7 +324,8 @@ def plan_shared_prefix_step(micro_batches: Sequence[Any], *, samples: Sequence[i
     for index, ((layout, read, tree_of_batch, held_length, plan, first, last), (rows_main, side_rows, owned_rows)) in \
             enumerate(zip(shapes, agreed)):
         if rows_main > plan.physical_length - held_length:  # as many rows as the group's most
-            plan = plan_of_layout(batches[index], tree_of_batch, pad_to, held_rows=held_length, at_least=rows_main)
+            plan = plan_of_layout(batches[index], tree_of_batch, pad_to, held_rows=held_length, at_least=rows_main,
+                                  repeated_padding_once=repeated_padding_once)
         first = first + [set() for _ in range(len(side_rows) - len(first))]  # empty passes: as many as every rank
         last = last + [set() for _ in range(len(owned_rows) - len(last))]
         holding = held_rows(store, MAIN, index, layout, read, set(), plan.physical_length)

@@ -20,6 +20,7 @@ import torch
 
 from megatron_rl_patches import settings
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import held_params
 from megatron_rl_patches.integrations.shared_prefix_doors.decision import Reason, agreed_decision
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import MEGATRON
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
@@ -68,7 +69,8 @@ class PrefixPass:
     whole), `repeated_padding_once` (a padding sequence of one repeated id computed on one row: for a
     model that computes each row of it alike, `repeated_padding_alike`; slime pads with id 0), and the
     pass's figures so far (summed `PlanStats`, and `packed_whole`: the micro-batches that took the
-    ordinary path)."""
+    ordinary path); `held`: the pass's micro-batches (by index) planned step by step, each with its
+    step's plan (`shared_prefix_step_pass.hold_steps`; empty: each micro-batch planned on its own)."""
 
     what: str
     pad_to: int = 1
@@ -77,8 +79,10 @@ class PrefixPass:
     figures: dict[str, int] = field(default_factory=dict)
     cut: ContextCut | None = None
     repeated_padding_once: bool = False
+    held: dict[int, Any] = field(default_factory=dict)
 
-    def params(self, tokens: Any, packed_seq_params: Any, samples: int, whole: Any = None) -> Any:
+    def params(self, tokens: Any, packed_seq_params: Any, samples: int, whole: Any = None,
+               index: int | None = None) -> Any:
         """The `packed_seq_params` of a micro-batch packed as `tokens` [1, T] by `packed_seq_params`
         (thd; its first `samples` sequences samples, the rest padding); the given params where the
         micro-batch is one a plan does not take. Decided from the micro-batch alone, so every pipeline
@@ -86,7 +90,10 @@ class PrefixPass:
         one waiting for its activations). Under context parallelism (`cut`) `tokens` is this rank's
         share and `whole` [T_whole] the whole micro-batch's ids (None: the host could not rebuild it);
         the plan is built from `whole` where `tokens` is its cut, else the micro-batch runs packed whole
-        on every rank of the group."""
+        on every rank of the group. `index`: the micro-batch's place in the pass, whose step's plan it
+        takes where the pass plans its steps together (`held`: `shared_prefix_step_pass.hold_steps`)."""
+        if index is not None and index in self.held:
+            return held_params(self.held[index], tokens, packed_seq_params, index)
         if self.cut is not None:
             return self.context_parallel_params(tokens, packed_seq_params, samples, whole)
         reason = whole_reason(tokens, packed_seq_params, self.vocab)

@@ -97,7 +97,9 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
     model = bound.arguments.get("model")
     step = FusedStep(slime_args, with_entropy, False, invariant=student_invariant(model),
-                     prefix=slime_prefix_pass(slime_args, model, "slime's log-prob pass", training=False))
+                     prefix=slime_prefix_pass(slime_args, model, "slime's log-prob pass", training=False,
+                                              iterators=bound.arguments.get("data_iterator"),
+                                              counts=bound.arguments.get("num_microbatches"), first=0))
     return run_fused_step(step, wrapped, bound)
 
 
@@ -123,7 +125,9 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
     step = FusedStep(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings,
-                     prefix=slime_prefix_pass(slime_args, model, "slime's training step", training=True))
+                     prefix=slime_prefix_pass(slime_args, model, "slime's training step", training=True,
+                                              iterators=bound.arguments.get("data_iterator"),
+                                              counts=[int(bound.arguments.get("num_microbatches") or 0)]))
     return run_fused_step(step, wrapped, bound)
 
 
@@ -143,6 +147,7 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     step = None if bound is None else carried(bound.arguments.get("data_iterator"))
     if bound is None or step is None:
         return wrapped(*args, **kwargs)
+    index = getattr(bound.arguments.get("data_iterator"), "offset", None)  # its place in slime's schedule
     if step.topk is not None and step.topk.keys:
         keys = list(bound.arguments["keys"])
         bound.arguments["keys"] = keys + [key for key in step.topk.keys if key not in keys]
@@ -157,7 +162,7 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         elif step.prefix is not None:  # the model call takes the shared-prefix plan from the batch's packed_seq_params
             whole = whole_micro_batch(batch) if step.prefix.cut is not None else None  # context parallelism
             batch["packed_seq_params"] = step.prefix.params(batch["tokens"], batch["packed_seq_params"],
-                                                            len(batch["unconcat_tokens"]), whole)
+                                                            len(batch["unconcat_tokens"]), whole, index)
     return batch
 
 

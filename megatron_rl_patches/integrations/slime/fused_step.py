@@ -13,6 +13,7 @@ travels with the data slime hands them: the iterators a fused call passes on, an
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import training_request
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TopkRequest
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
+from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import hold_scheduled
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
 from megatron_rl_patches.integrations.slime.model_kinds import register_model_kinds
@@ -65,19 +67,30 @@ def slime_settings(args: Any) -> OpdSettings | None:
     return held_settings(args).opd
 
 
-def slime_prefix_pass(args: Any, model: Any, what: str, training: bool) -> PrefixPass | None:
+def slime_prefix_pass(args: Any, model: Any, what: str, training: bool, iterators: Any = None,
+                      counts: Sequence[int] | None = None, first: int | None = None) -> PrefixPass | None:
     """The shared-prefix packing of slime's pass `what` over `model` (None: each sample whole), its
     switch MEGATRON_RL_PATCHES_SHARED_PREFIX read once per slime `args` as `slime_settings` is. slime's
     `get_batch` keeps every sample whole beside each context-parallel rank's cut (zigzag, or a contiguous
     slice with --allgather-cp), so its passes plan at context parallelism too (`whole_micro_batch`). slime's
     routing replay (--use-routing-replay, --use-rollout-routing-replay) replays routes per packed token: its
-    passes pack whole, said once in slime's words (`shared_prefix_doors`)."""
+    passes pack whole, said once in slime's words (`shared_prefix_doors`). With slime's data `iterators`,
+    the pass's micro-batches per step (`counts`) and the first's index in slime's schedule (`first`; None:
+    the iterators' offset) each step's micro-batches are planned together where the budget cut a group."""
     cut = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
     layout = Layout(context_layout=cut, routing_replay=bool(getattr(args, "use_routing_replay", False)
                                                             or getattr(args, "use_rollout_routing_replay", False)))
     register_model_kinds()  # slime's own layers, before the plan reads the model
-    return prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=cut,
-                       framework=SLIME, layout=layout)
+    prefix = prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=cut,
+                         framework=SLIME, layout=layout)
+    if prefix is not None and counts is not None:
+        iterator = iterators[0] if isinstance(iterators, Sequence) and iterators else iterators
+        budget = getattr(args, "max_tokens_per_gpu", None) if getattr(args, "use_dynamic_batch_size", False) else None
+        hold_scheduled(prefix, model, training=training, rollout=getattr(iterator, "rollout_data", None),
+                       indices=getattr(iterator, "micro_batch_indices", None), counts=counts,
+                       first=int(getattr(iterator, "offset", 0)) if first is None else first, budget=budget,
+                       pad_multiple=int(getattr(args, "data_pad_size_multiplier", 128)))
+    return prefix
 
 
 @dataclass(frozen=True)

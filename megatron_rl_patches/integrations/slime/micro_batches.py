@@ -10,6 +10,12 @@ sample longer than N alone, as slime places one), and the memory a shared prompt
 samples per micro-batch. 8 groups of 8 samples at P = 1,024, R = 128 and N = 9,216: 8 micro-batches
 counted whole, 2 counted as computed.
 
+Where the training step plans its micro-batches together (`hold_steps`: a model that can hold a
+segment across micro-batches, as slime's arguments tell: `step_held_cost`), the first fit cuts the
+step's samples next-fit in the order of their trie instead (`shared_prefix_micro_batches(held_cost=)`):
+a group the budget cuts lies in consecutive micro-batches, each segment counted once per step and its
+held rows at `held_cost` of a computed row.
+
 The lengths slime's first fit sees carry no tokens, so three doors pass them on in slime's own
 arguments: the split (`RolloutManager._split_train_data_by_dp(data)`), where the tokens are, hands
 slime's schedule its samples' rollout ids as a list that also holds the rollout's tokens
@@ -23,9 +29,10 @@ from __future__ import annotations
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
+from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import step_held_cost
 from megatron_rl_patches.integrations.slime.fused_step import held_settings
 from megatron_rl_patches.model.arguments import argument
-from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids
+from megatron_rl_patches.shared_prefix.micro_batches import physical_micro_batches, sample_ids, step_micro_batches
 
 
 class RolloutIds(list):
@@ -40,14 +47,17 @@ class RolloutIds(list):
 class SampleLength(int):
     """A sample's token count (slime sums and compares it as the int it is) that knows which
     sample of the rollout's data it counts (`index`) and, handed on by a split, the rollout's
-    tokens (`tokens`; None: a length that knows no tokens)."""
+    tokens (`tokens`; None: a length that knows no tokens) and what a held row costs where the step
+    holds segments (`held_cost`; None: each micro-batch planned on its own)."""
 
     index: int
     tokens: Sequence[Any] | None
+    held_cost: float | None
 
-    def __new__(cls, length: int, index: int, tokens: Sequence[Any] | None = None) -> SampleLength:
+    def __new__(cls, length: int, index: int, tokens: Sequence[Any] | None = None,
+                held_cost: float | None = None) -> SampleLength:
         counted = super().__new__(cls, length)
-        counted.index, counted.tokens = index, tokens
+        counted.index, counted.tokens, counted.held_cost = index, tokens, held_cost
         return counted
 
 
@@ -76,7 +86,8 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     tokens = ids.tokens if isinstance(ids, RolloutIds) else None
     if tokens is None or not isinstance(lengths, Sequence) or len(lengths) != len(tokens):
         return wrapped(*args, **kwargs)
-    counted = [SampleLength(length, index, tokens) for index, length in enumerate(lengths)]
+    held_cost = step_held_cost(argument("args", 0, args, kwargs))
+    counted = [SampleLength(length, index, tokens, held_cost) for index, length in enumerate(lengths)]
     if "total_lengths" in kwargs:
         kwargs = {**kwargs, "total_lengths": counted}
     else:
@@ -95,4 +106,6 @@ def first_fit_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
             or not isinstance(budget, int) or budget < 1):
         return wrapped(*args, **kwargs)
     samples = [sample_ids(length.tokens[length.index], length.index) for length in lengths]
-    return physical_micro_batches(samples, budget)
+    held_cost = lengths[0].held_cost
+    return physical_micro_batches(samples, budget) if held_cost is None else step_micro_batches(samples, budget,
+                                                                                                held_cost=held_cost)

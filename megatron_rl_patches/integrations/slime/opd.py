@@ -151,9 +151,11 @@ def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: Top
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
+    iterators = get_data_iterator(rollout_data)
     step = FusedStep(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant,
-                     prefix=slime_prefix_pass(args, model, "a teacher's pass", training=False))
-    iterator = carrying(get_data_iterator(rollout_data), step)
+                     prefix=slime_prefix_pass(args, model, "a teacher's pass", training=False, iterators=iterators,
+                                              counts=rollout_data["num_microbatches"], first=0))
+    iterator = carrying(iterators, step)
     collect = functools.partial(collect_topk, fell_back=fell_back)
     with logged(step.prefix):
         return slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])

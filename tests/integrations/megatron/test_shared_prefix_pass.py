@@ -151,3 +151,60 @@ def test_each_plan_is_padded_to_the_pass_and_agreed_over_its_group(megatron_cpu,
     assert calls == [(group, "a micro-batch's shared-prefix plan",
                       {"match": {"physical rows": physical, "logical rows": logical, "checksum": checksum},
                        "where": "the tensor-parallel group"})]
+
+
+def test_a_pass_plans_each_step_together_where_the_budget_cut_a_group(megatron_cpu, clean_patch_state, caplog):
+    """`hold_steps` at a pass's door (issue 120): a group cut over three micro-batches is planned once per
+    step, each micro-batch taking its step's plan by its index in the pass, its log-probs those of the same
+    micro-batch packed whole; a step that cuts no group, and a model that cannot hold segments (one
+    warning; raised under strict), keep the plan per micro-batch; ids other than the planned ones are
+    refused by name."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import hold_steps, packed_micro_batch
+    from megatron_rl_patches.integrations.megatron.version import installed_version
+
+    if (installed_version() or "").startswith("0.13."):  # as tests/shared_prefix/test_held_segments.py fails there
+        pytest.skip("a held micro-batch's forward fails on megatron-core 0.13 (split_with_sizes), as the core's")
+
+    model = _model(hidden_dropout=0.0, attention_dropout=0.0)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 64, (30,), generator=gen)
+    samples = [torch.cat([prompt, torch.randint(0, 64, (n,), generator=gen)]) for n in (3, 5, 4, 6)]
+    samples.append(torch.randint(0, 64, (9,), generator=gen))
+    cut = [packed_micro_batch([samples[i] for i in batch], 16) for batch in ([0, 1], [2], [3, 4])]
+    whole = [packed_micro_batch(samples[:4], 4), packed_micro_batch(samples[4:], 4)]
+
+    def params(batch):
+        longest = int(batch.cu_seqlens.diff().max())
+        cu = batch.cu_seqlens.int()
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                               max_seqlen_kv=longest)
+
+    planned = prefix_pass("a pass", [model], training=False, enabled=True)
+    assert planned is not None and hold_steps(planned, [model], training=False, steps=[cut, whole], first=3)
+    assert sorted(planned.held) == [3, 4, 5]  # the cut step; the whole groups' step planned per micro-batch
+    assert planned.figures["held_tokens"] == 30 and planned.figures["physical_tokens"] == 30 + 3 + 5 + 4 + 6 + 9
+    # slime's padding (one repeated id) on one row each, as the plan per micro-batch lays it out for this model
+    padding = [(plan.stats.padding_tokens, plan.stats.padding_rows) for _, plan in planned.held.values()]
+    assert padding == [(12, 1), (14, 1), (3, 1)]
+    with torch.no_grad():
+        for index, batch in enumerate(cut):
+            ids, plain = batch.tokens[None], params(batch)
+            got = model(ids, None, None, packed_seq_params=planned.params(ids, plain, batch.samples, index=3 + index))
+            want = model(ids, None, None, packed_seq_params=plain)
+            rows = int(batch.cu_seqlens[batch.samples])
+            assert float((got[:, :rows] - want[:, :rows]).abs().max()) <= 1e-5 * float(want.abs().max())
+    with pytest.raises(RuntimeError, match="micro-batch 4 of the pass is not the one its step was planned from"):
+        planned.params(cut[0].tokens[None], params(cut[0]), cut[0].samples, index=4)
+
+    refused = prefix_pass("a step", [model], training=True, enabled=True)
+    model.config.pipeline_model_parallel_size = 2  # what a held segment's deferred backward cannot run yet
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert refused is not None and not hold_steps(refused, [model], training=True, steps=[cut])
+    assert refused.held == {} and ("shared prefix: a step: each micro-batch plans its own samples (a prompt the "
+                                   "micro-batch budget cuts is computed again in each part): pipeline parallelism "
+                                   "(pipeline_model_parallel_size=2)") in caplog.text
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pipeline_model_parallel_size=2\).*; or unset "):
+        hold_steps(refused, [model], training=True, steps=[cut], strict=True)
+    model.config.pipeline_model_parallel_size = 1

@@ -72,12 +72,34 @@ def small_rollout(vocab: int, micro_batches: list[list[int]]) -> dict:
             "micro_batch_indices": micro_batches}
 
 
+# each group cut by the budget, one over three micro-batches (samples 0-3, 4-7, 8-11, 12-15 share a prompt)
+CUT = [[0, 1], [2, 3, 4], [5, 6], [7, 8, 9], [10, 11], [12, 13, 14, 15]]
+
+
+def per_micro_batch_and_step(tokens: list, micro_batches: list[list[int]]) -> tuple[int, int, int]:
+    """Tokens a pass computes over `micro_batches`: each planned on its own, the step planned together
+    (its held segments' side passes included), and the rows it holds."""
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix, plan_shared_prefix_step
+
+    def packed(batch: list[int]) -> tuple:
+        import torch
+
+        ids = torch.cat([tokens[i] for i in batch])
+        return ids, torch.tensor([0, *torch.tensor([len(tokens[i]) for i in batch]).cumsum(0).tolist()])
+
+    each = sum(plan_shared_prefix(*packed(batch)).stats.physical_tokens for batch in micro_batches)
+    step = plan_shared_prefix_step([packed(batch) for batch in micro_batches]).stats
+    return each, step.computed_tokens, step.held_tokens
+
+
 def test_a_step_on_the_fewer_micro_batches_equals_slimes_step_counted_whole(slime_cpu):
-    """slime's real train_actor (reference pass, log-prob pass, two snapshot teachers, train()) on the
-    micro-batches each schedule gives, setting off (slime's first fit by whole lengths: 4) and on (the
-    package's, as the patched first fit packs them: 2): slime scales each micro-batch's loss by the
-    step's sample count, so the step's losses, the weights after it and the recorded log-probs agree
-    within 1e-6 (the reference's peaked log-probs 2e-6)."""
+    """slime's real train_actor (reference pass, log-prob pass, two snapshot teachers, train()) over two
+    rollouts on the micro-batches each schedule gives, setting off (slime's first fit by whole lengths:
+    4 each) and on: the first rollout cut below one group (`CUT`: every pass plans its step together,
+    each prompt computed once however many micro-batches hold its group, issue 120), the second on the
+    package's fewer micro-batches (as the patched first fit packs them: 2). slime scales each
+    micro-batch's loss by the step's sample count, so both steps' losses, the weights after them and
+    the first rollout's recorded log-probs agree within 1e-6 (the reference's peaked log-probs 2e-6)."""
     import slime_kit as kit
     import slime_ranks
     import torch
@@ -92,9 +114,9 @@ def test_a_step_on_the_fewer_micro_batches_equals_slimes_step_counted_whole(slim
     computed = shared_prefix_micro_batches(tokens, budget)
     assert (len(whole), len(computed)) == (4, 2)
     results = {}
-    for on, micro_batches in ((False, whole), (True, computed)):
-        extra = {"shared_prefix": on, "ref": True, "rollouts": [small_rollout(kit.VOCAB, micro_batches)]}
-        (results[on],) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, ("--adam-eps", "1.0"), 1,
+    for on, micro_batches in ((False, [whole, whole]), (True, [CUT, computed])):
+        extra = {"shared_prefix": on, "ref": True, "rollouts": [small_rollout(kit.VOCAB, m) for m in micro_batches]}
+        (results[on],) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, ("--adam-eps", "1.0"), 2,
                                        None, 1, None, None, None, {"TEACHERS": "teacher-a,teacher-b"}, None, extra,
                                        timeout=400)
     off, on = results[False], results[True]
@@ -107,7 +129,20 @@ def test_a_step_on_the_fewer_micro_batches_equals_slimes_step_counted_whole(slim
         for a, b in pairs:
             scale = max(1.0, float(b.abs().max()))
             assert float((a - b).abs().max()) <= tol * scale, (field, float((a - b).abs().max()), scale)
-    (plain,), (planned,) = off["losses"], on["losses"]  # slime's logged step: loss, pg, entropy, top-k OPD
-    assert planned.keys() == plain.keys()
-    assert all(abs(planned[k] - v) <= 1e-6 * max(1.0, abs(v)) for k, v in plain.items()), (plain, planned)
+    assert len(off["losses"]) == len(on["losses"]) == 2  # slime's logged steps: loss, pg, entropy, top-k OPD
+    for plain, planned in zip(off["losses"], on["losses"]):
+        assert planned.keys() == plain.keys()
+        assert all(abs(planned[k] - v) <= 1e-6 * max(1.0, abs(v)) for k, v in plain.items()), (plain, planned)
     assert on["prefix_passes"] and all(f["physical_tokens"] < f["logical_tokens"] for _, f in on["prefix_passes"])
+    # every pass (the reference's and the log-prob pass, the ids' and two teachers' passes, the step) plans its step
+    # together: the first rollout's three cut groups held, the second's groups whole (their prompts' first ids
+    # alike: one held row); each prompt computed once, fewer tokens than planning each micro-batch on its own
+    each, step, held = per_micro_batch_and_step(tokens, CUT)
+    passes = [figures for _, figures in on["prefix_passes"]]
+    assert len(passes) == 12 and {what for what, _ in on["prefix_passes"]} == {
+        "slime's log-prob pass", "a teacher's pass", "slime's training step"}
+    assert [f["held_tokens"] for f in passes[:6]] == [held] * 6 and held >= 3 * (SMALL["prompt"] - 1)
+    assert all(f["physical_tokens"] == step for f in passes) and step < each, (step, each)
+    assert sum(on["embedded"]) < sum(off["embedded"]), (sum(on["embedded"]), sum(off["embedded"]))
+    print(f"per pass: {each} tokens planned per micro-batch, {step} per step ({held} held); ids embedded "
+          f"{sum(on['embedded'])} on, {sum(off['embedded'])} off")
