@@ -12,6 +12,7 @@ from megatron_rl_patches.model.chunks import as_chunks
 from megatron_rl_patches.model.kinds import is_language_model, qualified_name
 from megatron_rl_patches.ops.agreement import gathered_objects, world
 from megatron_rl_patches.shared_prefix.kinds import model_kinds
+from megatron_rl_patches.shared_prefix.kinds.latent_attention import megatron_core_before_0_16
 from megatron_rl_patches.shared_prefix.prepared import own_class
 
 REMEDY = "plan each micro-batch on its own (plan_shared_prefix)"
@@ -25,6 +26,10 @@ def config_held_reasons(config: Any, training: bool) -> list[str]:
         reasons.append(f"pipeline parallelism (pipeline_model_parallel_size={stages}): a held segment's backward runs "
                        "in its last reader's backward, once its layers' gradients are in, which a pipeline schedule "
                        "spreads over stages and interleaves with other micro-batches' forwards")
+    older = megatron_core_before_0_16()
+    if training and older is not None and getattr(config, "recompute_granularity", None) == "full":
+        reasons.append(f"full activation recompute on megatron-core {older} (before 0.16): its checkpoint's backward "
+                       "hands DDP a held segment's parameter gradient twice in one micro-batch (checked on 0.13.1)")
     if training:
         for name in ("attention_dropout", "hidden_dropout"):
             rate = float(getattr(config, name, 0.0) or 0.0)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.shared_prefix.attention import check_route
-from megatron_rl_patches.shared_prefix.context_parallel import WholeRotaryTable, check_logical_layout
+from megatron_rl_patches.shared_prefix.context_parallel import WholeRotaryTable, check_logical_layout, computed_count
 from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
 
 FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
@@ -48,7 +48,8 @@ def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto", cp_layout:
     gets its logits back at those rows (`context_parallel`)."""
     if not isinstance(plan, SharedPrefixPlan):
         raise TypeError(f"shared_prefix_params: plan must be a SharedPrefixPlan, got {type(plan).__name__}")
-    whole = torch.tensor([0, plan.physical_length], dtype=torch.int32)
+    # one sequence of the rows the model computes (a step's held segments are not among them)
+    whole = torch.tensor([0, computed_count(plan)], dtype=torch.int32)
     # the table also covers the padding as packed (one sequence): an MTP depth's stream runs it so
     longest = max(plan.longest, plan.logical_length - plan.stats.logical_tokens)
     cls = params_type()
