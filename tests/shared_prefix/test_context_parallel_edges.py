@@ -40,6 +40,6 @@ def test_a_stream_the_ranks_cannot_cut_into_equal_chunks_is_refused_whole():
     with pytest.raises(ValueError) as refused:
         physical_share(plan, 3, 0)
     assert str(refused.value) == (
-        "shared prefix: the plan's stream has 8 rows to compute, which 3 context-parallel ranks cannot cut into 6 equal "
-        "chunks; build the plan with pad_to a multiple of 6 (times the tensor-parallel size under sequence "
+        "shared prefix: the plan's stream has 8 rows to compute, which 3 context-parallel ranks cannot cut into 6 "
+        "equal chunks; build the plan with pad_to a multiple of 6 (times the tensor-parallel size under sequence "
         "parallelism)")
