@@ -2,13 +2,11 @@
 stage returns per-token log-probs and entropy straight from the hidden states: no [1, T, V] logits.
 
 slime (624b824a) builds its `forward_step` closures inside `forward_only` and `train_one_step`; the
-records reach them through the names those closures look up at call time in slime's model module:
-`get_batch` (the micro-batch is noted), `get_forward_backward_func` (the step is given a model
-whose call adds `labels=`, `output_processor=` and `output_processor_context=`). slime's
-`get_log_probs_and_entropy` then slices the processor's [1, T] results with slime's own helpers
-(thd packing, zigzag and allgather context parallelism), so every loss keeps slime's semantics.
-What the route cannot serve goes to slime's own logits path with one log line naming the feature.
-"""
+records reach them through the names they look up at call time: `get_batch` (the micro-batch noted)
+and `get_forward_backward_func` (a model whose call adds `labels=`, `output_processor=` and
+`output_processor_context=`). slime's own helpers slice the [1, T] results (thd, zigzag, allgather
+CP), so every loss keeps slime's semantics; what the route cannot serve takes slime's logits path
+with one log line naming the feature."""
 from __future__ import annotations
 
 from typing import Any

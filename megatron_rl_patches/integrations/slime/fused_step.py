@@ -6,10 +6,8 @@ training step makes (`step_request`), and slime's settings as its doors read the
 top-k OPD's and the shared-prefix switch, read once per slime `args` and held by it;
 `slime_settings`, `slime_prefix_pass`).
 
-slime's callbacks have fixed signatures (`get_batch(data_iterator, keys, ...)`, the schedule's
-`forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the step
-travels with the data slime hands them: the iterators a fused call passes on, and the batch
-`get_batch` returns (under the key `FUSED_STEP`)."""
+slime's callbacks have fixed signatures (`get_batch`, the schedule's `forward_step_func`, the loss),
+so the step travels with the data slime hands them: the iterators and the batch (`FUSED_STEP`)."""
 from __future__ import annotations
 
 import contextlib

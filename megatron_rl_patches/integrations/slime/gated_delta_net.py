@@ -1,21 +1,16 @@
-"""slime's own gated-delta-net layers (Qwen3.5's and Qwen3-Next's `Attention(HuggingfaceAttention)`
-in slime_plugins/models/qwen3_5.py and qwen3_next.py) over a shared-prefix plan: a model kind of
-slime's (`SlimeGatedDeltaNet`, its object registered by `model_kinds.register_model_kinds` at slime's
-shared-prefix door), recognized by its code (the layer's `hf_forward` slime's, its forward slime's
-`HuggingfaceAttention`'s; its linear attention and that one's short convolution by their forward).
+"""slime's own gated-delta-net layers (Qwen3.5's and Qwen3-Next's `Attention(HuggingfaceAttention)`,
+slime_plugins/models/qwen3_5.py and qwen3_next.py) over a shared-prefix plan: a model kind of slime's
+(`SlimeGatedDeltaNet`, registered by `model_kinds.register_model_kinds` at slime's door), recognized
+by its code (its `hf_forward` and forward slime's; its linear attention and short convolution by theirs).
 
-slime's layer hands `packed_seq_params.cu_seqlens_q` to its `linear_attn`, built the Hugging Face
-way: under a plan the layer's `hf_forward` hands on the plan's segments in place of cu_seqlens, and
-its linear attention's convolution and recurrence run them (`shared_prefix.linear_attention`).
-Everything per token (the input norm, the projections, the gate, the output norm and projection)
-runs over the whole stream as slime wrote it; sequence parallelism gathers and scatters in slime's
-own forward around it. The recurrence is the layer's own kernel (flash-linear-attention's chunked
-kernel on CUDA; on CPU a torch stand-in with the same calling convention, the lane's); FlashQLA's
-kernel (its initial-state gradient unchecked) is refused by name (the kind's `reason`).
-
-Under context parallelism slime's own forward gathers each sequence's zigzag rows of cu_seqlens,
-which a plan's stream does not have; the planned layer's forward instead runs the layer over the
-whole physical stream on every rank (`linear_attention.whole_stream_forward`)."""
+Under a plan the layer's `hf_forward` hands its `linear_attn` the plan's segments (and a step's held
+states) in place of `cu_seqlens_q`, and the convolution and recurrence run them
+(`shared_prefix.linear_attention`); everything per token runs over the whole stream as slime wrote it,
+sequence parallelism gathering and scattering in slime's forward. The recurrence is the layer's own
+kernel (flash-linear-attention's on CUDA; the lane's torch stand-in on CPU); FlashQLA's (its
+initial-state gradient unchecked) is refused by name. Under context parallelism the planned forward
+runs the layer over the whole physical stream on every rank (`linear_attention.whole_stream_forward`),
+where slime's own would gather zigzag rows a plan's stream does not have."""
 from __future__ import annotations
 
 import functools

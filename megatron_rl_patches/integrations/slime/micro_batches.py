@@ -1,29 +1,19 @@
 """slime's dynamic micro-batches counted in the tokens the model computes (issue 111, item 7).
 
 With `--use-dynamic-batch-size --max-tokens-per-gpu N`, slime's rollout manager packs each step's
-samples first-fit by their lengths (`slime.utils.dp_schedule` calls
-`slime.utils.seqlen_balancing.first_fit_pack(step_lengths, N * cp_size)`). With shared-prefix
-packing on (MEGATRON_RL_PATCHES_SHARED_PREFIX=1), a micro-batch computes each group's prompt once,
-so N counts physical tokens instead: the step's samples are packed as `shared_prefix_micro_batches`
-packs them (a group whole where it fits, cut with its prompt again only where it alone exceeds N; a
-sample longer than N alone, as slime places one), and the memory a shared prompt saves becomes more
-samples per micro-batch. 8 groups of 8 samples at P = 1,024, R = 128 and N = 9,216: 8 micro-batches
-counted whole, 2 counted as computed.
+samples first-fit by length (`slime.utils.dp_schedule` calls `first_fit_pack(step_lengths, N * cp_size)`).
+With shared-prefix packing on, N counts computed tokens: the samples are packed as
+`shared_prefix_micro_batches` packs them (a group whole where it fits; a sample longer than N alone),
+so a shared prompt's memory buys more samples per micro-batch (8 groups of 8 samples at P = 1,024,
+R = 128, N = 9,216: 8 micro-batches counted whole, 2 as computed). Where the step plans its
+micro-batches together (`hold_steps`; `step_held_cost` from slime's args), the first fit cuts next-fit
+in trie order instead (`held_cost=`): a cut group in consecutive micro-batches, each segment counted
+once per step, its held rows at `held_cost` of a computed row.
 
-Where the training step plans its micro-batches together (`hold_steps`: a model that can hold a
-segment across micro-batches, as slime's arguments tell: `step_held_cost`), the first fit cuts the
-step's samples next-fit in the order of their trie instead (`shared_prefix_micro_batches(held_cost=)`):
-a group the budget cuts lies in consecutive micro-batches, each segment counted once per step and its
-held rows at `held_cost` of a computed row.
-
-The lengths slime's first fit sees carry no tokens, so three doors pass them on in slime's own
-arguments: the split (`RolloutManager._split_train_data_by_dp(data)`), where the tokens are, hands
-slime's schedule its samples' rollout ids as a list that also holds the rollout's tokens
-(`RolloutIds`, slime's `rollout_indices` argument), the schedule (`build_dp_schedule`, as the rollout
-module calls it) hands its first fit lengths that know their sample's tokens (`SampleLength`, an
-int), and the first fit packs those by their tokens. slime's own lengths (any other caller) and
-slime's other packings (`--balance-by-flops`, fixed micro-batch sizes) run as slime wrote them; so
-does everything with the setting off."""
+slime's first fit sees lengths without tokens, so three doors carry them in slime's own arguments: the
+split (`RolloutManager._split_train_data_by_dp`) hands the schedule rollout ids that hold the tokens
+(`RolloutIds`, as `rollout_indices`), the schedule (`build_dp_schedule`) hands the first fit lengths
+that know their tokens (`SampleLength`, an int), and the first fit packs by those; all else runs as slime's."""
 from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence

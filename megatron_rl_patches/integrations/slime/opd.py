@@ -4,14 +4,11 @@ switched on by MEGATRON_RL_PATCHES_OPD_TEACHERS (`opd_settings`) with slime's cu
     --loss-type custom_loss --custom-loss-function-path \
         megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss
 
-Teachers are loaded after the actor's `init` (`teacher_builders.load_teachers`: same-architecture
-ones as snapshots in slime's TensorBackuper, swapped in with one restore per teacher per step;
-others as separate inference-only models). Before slime's `train_actor` the step's teachers score
-the rollout (`topk_teachers.score_step`: the actor's own top-k pass selects the ids, each teacher
-scores them, [R, k] per sample and teacher, or the ids MEGATRON_RL_PATCHES_OPD_IDS_FROM names:
-`opd_teachers.teacher_requests`; nothing [T, V] is built), for `train_one_step`'s batch. slime
-supplies its actor (`actor.SlimeActor`), its `forward_only` pass (`topk_pass`) and its cut.
-"""
+Teachers load after the actor's `init` (`teacher_builders.load_teachers`: same-architecture ones as
+snapshots in slime's TensorBackuper, one restore per teacher per step; others as inference-only
+models). Before `train_actor` they score the rollout (`topk_teachers.score_step`: [R, k] per sample
+and teacher at the actor's top-k ids or those MEGATRON_RL_PATCHES_OPD_IDS_FROM names; nothing [T, V]).
+slime supplies its actor (`actor.SlimeActor`), its `forward_only` pass (`topk_pass`) and its cut."""
 # lazy imports: optional dependency slime
 from __future__ import annotations
 

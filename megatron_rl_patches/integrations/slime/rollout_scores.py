@@ -1,18 +1,14 @@
 """slime's served teachers asked as each sample's generation ends (`MEGATRON_RL_PATCHES_OPD_SCORE_AT=
-rollout`; the default, `train`, leaves every served teacher to the train step: docs/benchmarks.md,
-"A served teacher off the train step", has the measurement it follows): slime 624b824a applies its
-rollout sample hooks in `generate_and_rm` right after a sample's generation, before its reward;
-`slime_opd` adds `score_sample` to them (`hooks_wrapper`, around `apply_rollout_sample_hooks` in
-slime's rollout module: no flag to add; naming it in `--rollout-sample-hook-path` yourself is the
-same, once). Each sample is sent to the rollout's teachers (`integrations.megatron.opd
-.rollout_teachers`: which are asked there, and why a failure fails the rollout; built in the rollout
-manager's process from MEGATRON_RL_PATCHES_OPD_TEACHERS, kept on slime's `args`), with its
-privileged context from its `train_metadata` where the teacher has `;context=KEY`; the hook awaits
-the answers without blocking the other samples (slime runs each as an asyncio task) and puts the
-rows in the sample's `train_metadata` (`carried_rows`: read by the train step instead of asking
-where they still match), which slime's split carries to the training ranks
-(`contexts.split_wrapper`). What the rollout's end still waits for is waited there. The teachers'
-figures of each rollout go into slime's rollout metrics under `teacher/...` (`log_rollout_data_wrapper`)."""
+rollout`; the default, `train`, leaves them to the train step: docs/benchmarks.md, "A served teacher
+off the train step"). slime 624b824a applies its rollout sample hooks in `generate_and_rm` after a
+sample's generation, before its reward; `slime_opd` adds `score_sample` to them (`hooks_wrapper`,
+around `apply_rollout_sample_hooks`; naming it in `--rollout-sample-hook-path` is the same, once).
+Each sample goes to the rollout's teachers (`integrations.megatron.opd.rollout_teachers`, built from
+MEGATRON_RL_PATCHES_OPD_TEACHERS and kept on slime's `args`) with its privileged context from its
+`train_metadata` (`;context=KEY`); the hook awaits the answers without blocking the other samples and
+puts the rows in `train_metadata` (`carried_rows`, read by the train step where they still match),
+which slime's split carries to the training ranks (`contexts.split_wrapper`). The teachers' figures of
+each rollout go into slime's rollout metrics under `teacher/...` (`log_rollout_data_wrapper`)."""
 # lazy imports: optional dependency slime (and httpx, the extra `served`)
 from __future__ import annotations
 
