@@ -54,6 +54,7 @@ def megatron_world(
             torch.cuda.set_device(torch.device(device).index or 0)
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
         created_group = True
+    groups_before = _process_groups()
     parallel_state.initialize_model_parallel(
         tensor_parallel,
         pipeline_parallel,
@@ -70,6 +71,19 @@ def megatron_world(
         parallel_state.destroy_model_parallel()
         if created_group:
             dist.destroy_process_group()
+        else:  # inside a world that lives on: free the groups this layout made (see _process_groups)
+            for group in _process_groups() - groups_before:
+                dist.destroy_process_group(group)
+
+
+def _process_groups() -> set:
+    """The process groups torch holds in this process. megatron-core's `destroy_model_parallel` drops
+    its references but torch's registry keeps every group alive, each with its gloo threads (three a
+    group): a world that made ~40 layouts in turn held ~800 threads a rank, and two such worlds on two
+    cores took 610 s where each alone takes 26-44 s (megatron-core 0.19). torch lists them only in
+    its registry (`distributed_c10d._world.pg_map`); where a release moves it, nothing is freed."""
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return set(registry) if isinstance(registry, dict) else set()
 
 
 def megatron_on_cpu(
