@@ -63,6 +63,7 @@ def megatron_world(
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel,
     )
+    megatron_groups = _process_groups() - groups_before  # not the groups code inside the block makes
     torch.manual_seed(seed)
     try:
         with contextlib.nullcontext() if cuda else cpu_shims():
@@ -71,8 +72,8 @@ def megatron_world(
         parallel_state.destroy_model_parallel()
         if created_group:
             dist.destroy_process_group()
-        else:  # inside a world that lives on: free the groups this layout made (see _process_groups)
-            for group in _process_groups() - groups_before:
+        else:  # inside a world that lives on: free the groups megatron-core made here (see _process_groups)
+            for group in megatron_groups & _process_groups():
                 dist.destroy_process_group(group)
 
 
