@@ -54,7 +54,7 @@ def megatron_world(
             torch.cuda.set_device(torch.device(device).index or 0)
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
         created_group = True
-    groups_before = _process_groups()
+    groups_before = set(_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_parallel,
         pipeline_parallel,
@@ -63,7 +63,7 @@ def megatron_world(
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel,
     )
-    megatron_groups = _process_groups() - groups_before  # not the groups code inside the block makes
+    megatron_groups = [group for group in _process_groups() if group not in groups_before]  # not the block's own
     torch.manual_seed(seed)
     try:
         with contextlib.nullcontext() if cuda else cpu_shims():
@@ -73,18 +73,22 @@ def megatron_world(
         if created_group:
             dist.destroy_process_group()
         else:  # inside a world that lives on: free the groups megatron-core made here (see _process_groups)
-            for group in megatron_groups & _process_groups():
-                dist.destroy_process_group(group)
+            alive = set(_process_groups())
+            for group in reversed(megatron_groups):
+                if group in alive:
+                    dist.destroy_process_group(group)
 
 
-def _process_groups() -> set:
-    """The process groups torch holds in this process. megatron-core's `destroy_model_parallel` drops
-    its references but torch's registry keeps every group alive, each with its gloo threads (three a
-    group): a world that made ~40 layouts in turn held ~800 threads a rank, and two such worlds on two
-    cores took 610 s where each alone takes 26-44 s (megatron-core 0.19). torch lists them only in
-    its registry (`distributed_c10d._world.pg_map`); where a release moves it, nothing is freed."""
+def _process_groups() -> list:
+    """The process groups torch holds in this process, in the order they were made. megatron-core's
+    `destroy_model_parallel` drops its references but torch's registry keeps every group alive, each
+    with its gloo threads (three a group): a world that made ~40 layouts in turn held ~800 threads a
+    rank, and two such worlds on two cores took 610 s where each alone takes 26-44 s (megatron-core
+    0.19). torch lists them only in its registry (`distributed_c10d._world.pg_map`, in creation order);
+    where a release moves it, nothing is freed. Destroyed newest first, in that order on every rank:
+    an NCCL whose communicator abort is collective needs the ranks to agree on it."""
     registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
-    return set(registry) if isinstance(registry, dict) else set()
+    return list(registry) if isinstance(registry, dict) else []
 
 
 def megatron_on_cpu(

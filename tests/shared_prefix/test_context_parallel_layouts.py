@@ -141,7 +141,7 @@ def _world(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world():
-    return run_multirank(_world, 4, timeout=800)
+    return run_multirank(_world, 4, timeout=400)
 
 
 @layouts.mark("tp2", "sp")

@@ -614,7 +614,7 @@ def _world(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world():
-    return run_multirank(_world, 2, timeout=600)
+    return run_multirank(_world, 2, timeout=300)
 
 
 @layouts.mark("tp2")
