@@ -30,6 +30,9 @@ def config_held_reasons(config: Any, training: bool) -> list[str]:
     if training and older is not None and getattr(config, "recompute_granularity", None) == "full":
         reasons.append(f"full activation recompute on megatron-core {older} (before 0.16): its checkpoint's backward "
                        "hands DDP a held segment's parameter gradient twice in one micro-batch (checked on 0.13.1)")
+    if getattr(config, "moe_enable_routing_replay", False) and getattr(config, "num_moe_experts", None):
+        reasons.append("MoE routing replay (moe_enable_routing_replay): the records are each micro-batch's packed "
+                       "rows, which a held segment's readers do not compute")
     if training:
         for name in ("attention_dropout", "hidden_dropout"):
             rate = float(getattr(config, name, 0.0) or 0.0)

@@ -18,6 +18,15 @@ Rows no logical row reads (the plan's padding to a multiple) take logical row 0'
 outputs are read by nothing. The gather costs T × E numbers; it runs only in training with a
 statistic on.
 
+Routing replay (megatron-core's `moe_enable_routing_replay`, its RouterReplay recording or replaying
+each packed token's experts) routes the logical rows the same way, in every pass: the records are
+the packed path's rows, so the router records or replays exactly what it would packed whole, and
+each physical row then takes a reader's experts. That is exact only where every logical row a
+physical row stands for was replayed the same experts: checked at each MoE layer
+(`records_agree`), a plan built without the records (or from other records) refused by name;
+`plan_shared_prefix(..., routed_experts=)` builds one whose shared rows agree (`routes`). Held segments and
+context parallelism are refused under replay.
+
 How the router gets the plan: megatron-core calls it from the MoE layer with the hidden states
 and a padding mask only. The transformer layer's call carries the plan (`packed_seq_params`), so
 a pre-hook of the layer hands the call's params to the layer's own router for the duration of that
@@ -97,6 +106,30 @@ def counts_statistics(router: Any) -> bool:
         balancing = router.routing_type in ("aux_loss", "seq_aux_loss") and bool(config.moe_aux_loss_coeff)
     return bool(router.routing_type == "sinkhorn" or getattr(config, "moe_z_loss_coeff", None) or balancing
                 or getattr(router, "enable_expert_bias", False))
+
+
+def replays(router: Any) -> bool:
+    """Whether `router` records or replays its experts per packed token: megatron-core's routing
+    replay (`moe_enable_routing_replay`) with an action set. Such a router routes the plan's logical
+    rows, as the packed path's (the records are the packed path's rows)."""
+    replay = getattr(router, "router_replay", None)
+    return replay is not None and getattr(replay, "router_replay_action", None) is not None
+
+
+def records_agree(plan: SharedPrefixPlan, routing_map: torch.Tensor) -> None:
+    """Refuse a plan that computes on one row two logical rows routed to different experts
+    (`routing_map`: every logical row's, in order): a plan built without the replayed records, or
+    from others (`plan_shared_prefix(..., routed_experts=)` shares only rows whose records agree)."""
+    device = routing_map.device
+    logical = plan.on(device, "logical_rows")
+    first = physical_readers(plan, device).index_select(0, logical)
+    differ = (routing_map.index_select(0, first) != routing_map).any(dim=-1)
+    if bool(differ.any()):
+        row = int(differ.nonzero()[0, 0])
+        raise ValueError(f"shared prefix: the replayed MoE routes of packed rows {int(first[row])} and {row} differ, "
+                         f"and the plan computes both on one row ({int(logical[row])}): build the plan from the "
+                         "records the routers replay (plan_shared_prefix(..., routed_experts=...)), which shares "
+                         "only the rows whose records agree")
 
 
 def prepare_moe_layer(layer: Any) -> None:
@@ -241,10 +274,15 @@ def planned_router_class(cls: Any) -> type:
         params = layer_params(self)
         plan = shared_prefix_plan_of(params)
         held = held_rows_of(plan)
+        replaying = plan is not None and replays(self)
+        if replaying and held is not None:
+            raise ValueError("shared prefix: MoE routing replay is not taken with segments held across micro-batches "
+                             "(the records are each micro-batch's packed rows); plan each micro-batch on its own "
+                             "(plan_shared_prefix(..., routed_experts=...))")
         if plan is not None and held is not None and not (held.mode == MAIN and self.training
                                                            and counts_statistics(self)):
             return _held_rows_routed_alone(cls, self, logits, plan, params)
-        if plan is None or not self.training or not counts_statistics(self):
+        if plan is None or not (replaying or (self.training and counts_statistics(self))):
             return cls.routing(self, logits, *args, **kwargs)
         if args or kwargs.get("padding_mask") is not None:
             raise ValueError("shared prefix: a padding mask is not taken with a shared-prefix plan")
@@ -252,6 +290,9 @@ def planned_router_class(cls: Any) -> type:
         flat = logits.reshape(rows, logits.shape[-1])
         cp = module_share(self, plan, params)
         if cp is not None:
+            if replaying:
+                raise ValueError("shared prefix: MoE routing replay beside context parallelism is not taken with a "
+                                 "shared-prefix plan; pack the micro-batch whole")
             return _context_parallel_routing(cls, self, flat, plan, *cp)
         _refuse_held_sinkhorn(self, held)
         shares = _sequence_shares(self, plan, rows)
@@ -259,6 +300,8 @@ def planned_router_class(cls: Any) -> type:
             virtual = whole_stream(plan, flat, ROUTER_LOGITS, self)  # a step's held rows back in place
             logical = virtual.index_select(0, plan.on(flat.device, "logical_rows"))
             probs, routing_map = cls.routing(self, logical.unsqueeze(1))
+            if replaying:
+                records_agree(plan, routing_map)
             reader = computed_readers(plan, probs.device)
             return probs.index_select(0, reader), routing_map.index_select(0, reader)
         from megatron.core import tensor_parallel  # lazy: optional dependency megatron-core
@@ -272,6 +315,8 @@ def planned_router_class(cls: Any) -> type:
         every_probs = tensor_parallel.gather_from_sequence_parallel_region(probs, group=group)
         with torch.no_grad():  # gloo gathers no bool: the routing map as bytes
             every_map = tensor_parallel.gather_from_sequence_parallel_region(routing_map.to(torch.uint8), group=group)
+        if replaying:
+            records_agree(plan, every_map)
         reader = computed_readers(plan, probs.device)[rank * rows:(rank + 1) * rows]
         return every_probs.index_select(0, reader), every_map.index_select(0, reader).bool()
 

@@ -27,6 +27,12 @@ from megatron_rl_patches.shared_prefix.grouping import Group
 from megatron_rl_patches.shared_prefix.padding import padding_layout
 from megatron_rl_patches.shared_prefix.plan_arguments import bounded_pad_to, hint_values, no_negative_id
 from megatron_rl_patches.shared_prefix.plan_summary import PrefixNode, plan_summary, plan_tree
+from megatron_rl_patches.shared_prefix.routed_experts import (
+    diverging_samples,
+    padding_alike,
+    route_keys,
+    say_what_routes_cost,
+)
 from megatron_rl_patches.shared_prefix.tree import TreeLayout, run_of, tree_layout
 
 
@@ -213,7 +219,8 @@ def checked_micro_batch(tokens: torch.Tensor, cu_seqlens: Any, samples: int | No
 
 def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | None = None, pad_to: int = 1,
                        min_shared: int = 1, hints: Sequence[Any] | None = None,
-                       levels: int | None = None, repeated_padding_once: bool = False) -> SharedPrefixPlan:
+                       levels: int | None = None, repeated_padding_once: bool = False,
+                       routed_experts: Any = None) -> SharedPrefixPlan:
     """The shared-prefix plan of a micro-batch packed as `tokens` ([T] or [1, T]) with sequence
     boundaries `cu_seqlens` ([n + 1], as megatron-core's `PackedSeqParams`). The first `samples`
     sequences (default: all) are samples; later sequences and the rows past `cu_seqlens[-1]` (one
@@ -228,7 +235,10 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
     tokens go down into each child);
     `levels` caps the shared segments on a sample's path (1: a group's longest common prefix, then
     each member's rest whole). `hints` (one per sample, e.g. a claimed group index) only count
-    claimed groups whose tokens differ."""
+    claimed groups whose tokens differ. `routed_experts`: the MoE experts replayed for these tokens (megatron-core's
+    routing replay, the rollout's recorded experts; each layer's [T, topk] as
+    `RouterReplay.set_replay_data` takes them, or one [T, layers, topk] tensor): samples share only
+    the rows where their ids and every layer's recorded experts agree (`routed_experts`)."""
     batch = checked_micro_batch(tokens, cu_seqlens, samples)
     pad_to, min_shared = _count("pad_to", pad_to, 1), _count("min_shared", min_shared, 1)
     hints = hint_values(hints, batch.samples)
@@ -236,7 +246,15 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
         _count("levels", levels, 1)
     if not isinstance(repeated_padding_once, bool):
         raise TypeError(f"plan_shared_prefix: repeated_padding_once must be a bool, got {repeated_padding_once!r}")
-    tree = tree_layout(batch.ids, batch.starts, batch.ends, min_shared, levels)
+    if routed_experts is None:
+        tree = tree_layout(batch.ids, batch.starts, batch.ends, min_shared, levels)
+        return plan_of_layout(batch, tree, pad_to, hints, repeated_padding_once)
+    keys = route_keys(batch.ids, routed_experts)
+    tree = tree_layout(keys, batch.starts, batch.ends, min_shared, levels)
+    by_ids = tree_layout(batch.ids, batch.starts, batch.ends, min_shared, levels)
+    say_what_routes_cost(by_ids.rows, tree.rows, diverging_samples(by_ids.logical_rows, tree.logical_rows,
+                                                                   batch.starts, batch.ends))
+    repeated_padding_once = repeated_padding_once and padding_alike(keys, batch.ids, batch.bounds, batch.samples)
     return plan_of_layout(batch, tree, pad_to, hints, repeated_padding_once)
 
 

@@ -476,6 +476,64 @@ def _sequence_parallel_statistics() -> dict:
     return out
 
 
+def _routing_replay_checks() -> tuple | None:
+    """MoE routing replay at TP = 2 + SP with EP = 2 (megatron-core 0.16 on): another model's records
+    (each rank its share of the rows, as it routes them) replayed packed whole and under a plan built
+    from the whole micro-batch's records, in training with an aux loss, z-loss and expert-bias counts:
+    (log-prob error, gradient error, the largest logged-loss error, counts equal, the replay changed
+    the log-probs, the plan computed fewer rows)."""
+    import torch
+    from kit.moe_statistics import STATISTICS, statistics_pass, varying_padding
+    from kit.shared_prefix import ordinary
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.testing.compare import grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    try:
+        from kit.routing_replay import acting, fresh_routers, recorded
+        from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: F401
+    except ImportError:
+        return None
+    statistics = {**STATISTICS["aux-loss"], **STATISTICS["z-loss"], **STATISTICS["expert-bias"]}
+    layout = dict(expert_parallel=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                  expert_tensor_parallel_size=1, moe_enable_routing_replay=True, **statistics)
+    with megatron_on_cpu(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1):
+        tp = parallel_state.get_tensor_model_parallel_group()
+        batch = varying_padding(((40, (4, 9, 2)), (12, (5, 3))), (6,), paddings=(2, 1))
+        fresh_routers()
+        rollout = build_packed_gpt(seq_length=512, seed=13, config=tiny_moe_config(**layout)).eval()
+        shares = recorded(lambda: rollout(batch.tokens, batch.positions, None, packed_seq_params=batch.thd_params()))
+        whole = []
+        for share in shares:  # the plan reads the whole micro-batch's records: the shares gathered over TP
+            parts = [torch.empty_like(share) for _ in range(2)]
+            torch.distributed.all_gather(parts, share.contiguous(), group=tp)
+            whole.append(torch.cat(parts))
+        fresh_routers()
+        model = build_packed_gpt(seq_length=512, seed=9, config=tiny_moe_config(**layout))
+
+        def planned(m, b):
+            prepare_shared_prefix(m)
+            params = shared_prefix_params(b.plan(pad_to=2, routed_experts=whole))
+            return m(b.tokens, None, None, packed_seq_params=params)
+
+        own = statistics_pass(model, batch, ordinary, tp)
+        with acting("replay_forward", shares):
+            want = statistics_pass(model, batch, ordinary, tp)
+        with acting("replay_forward", shares):
+            got = statistics_pass(model, batch, planned, tp)
+        _sum_sequence_parallel_grads(model, got["grads"], want["grads"])
+        plan = batch.plan(pad_to=2, routed_experts=whole).stats
+    return (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]),
+            max(relative_error(got["losses"][name], values) for name, values in want["losses"].items()),
+            len(want["counts"]) == 2 and all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"])),
+            relative_error(own["log_probs"], want["log_probs"]) > 1e-3,
+            plan.physical_tokens < plan.logical_tokens - 40)
+
+
 def _gated_delta_net_checks(sequence_parallel: bool) -> dict | None:
     """megatron-core's GatedDeltaNet (3 of 4 layers) planned at TP = 2 against each sample run alone
     unpacked (its packed path is refused): every sample of an even length, as SP splits each."""
@@ -608,6 +666,7 @@ def _world(rank: int, world_size: int) -> dict:
             "pp2": _pipeline_checks(), "pp2-mla": _latent_attention_pipeline_checks(),
             "pp2-mtp": _mtp_pipeline_checks(),
             "ep2": _expert_parallel_checks(), "tp2-sp-ep2": _sequence_parallel_statistics(),
+            "tp2-sp-ep2-replay": _routing_replay_checks(),
             "cp2": _context_parallel_checks(), "gdn-tp2": _gated_delta_net_checks(False),
             "gdn-tp2-sp": _gated_delta_net_checks(True), "gdn-pp2": _gated_delta_net_pipeline_checks()}
 
@@ -760,6 +819,15 @@ def test_sequence_parallel_statistics_count_a_shared_token_once_per_sample(world
         logged = set(checks["seq-global"][2])  # global's too where megatron-core has it; 0.13 logs seq's unnamed
         assert logged >= {"seq_load_balancing_loss"} or logged == {"load_balancing_loss"}, logged
         assert checks["aux-z-bias"][3] == checks["aux-z-bias"][4] == 2  # both layers' counts and updated bias
+
+
+@layouts.mark("moe", "ep2", "tp2", "sp")
+def test_routing_replay_under_sequence_and_expert_parallelism_equals_the_packed_path(world):
+    if world[0]["tp2-sp-ep2-replay"] is None:
+        pytest.skip("this megatron-core has no routing replay (moe_enable_routing_replay: 0.16 on)")
+    for rank in world:
+        lp, grads, losses, counts, replayed, shared = rank["tp2-sp-ep2-replay"]
+        assert lp < TOL and grads < GRAD_TOL and losses < TOL and counts and replayed and shared
 
 
 @layouts.mark("pp2")

@@ -58,7 +58,7 @@ REFUSED = {
     "moe_router_enable_expert_bias": (True, {**RECOMPUTED_MOE, "moe_router_bias_update_rate": 1e-3}, True),
     "moe_router_force_load_balancing": (True, MOE, False),
     "moe_input_jitter_eps": (0.01, MOE, True),
-    "moe_enable_routing_replay": (True, MOE, False),
+    "moe_enable_routing_replay": (True, {**MOE, "context_parallel_size": 2}, False),
     "moe_router_padding_for_quantization": (True, MOE, False),
     "moe_router_padding_for_fp8": (True, MOE, False),
     "moe_router_force_biased": (0.5, MOE, False),
@@ -86,6 +86,8 @@ ALLOWED = {
     "moe_aux_loss_coeff": (0.01, MOE, False),  # forward-only passes: planned in test_model_hooks.py
     "moe_router_load_balancing_type": ("seq_aux_loss", MOE, True),  # its coefficient 0
     "moe_router_enable_expert_bias": (True, {**MOE, "moe_router_bias_update_rate": 0.0}, True),
+    "moe_enable_routing_replay": (True, {**MOE, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+                                  True),  # test_routing_replay.py: 1 rank, TP = 2 + SP
 }
 # the router's statistics on each sample's own rows (tests/shared_prefix/test_moe_statistics.py, test_mtp.py)
 ALLOWED_TOO = {

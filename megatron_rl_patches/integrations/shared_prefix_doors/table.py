@@ -71,7 +71,8 @@ def _all(outcome: str, why: str = "") -> dict[str, Cell]:
 
 
 VLM_WHY = "a vision-language model's prompt is merged with its images before the sharing plan could run"
-REPLAY_WHY = "the rollout's recorded expert choices are replayed per packed token"
+REPLAY_WHY = ("the rollout's recorded expert choices are replayed per packed token, and this framework's passes do "
+              "not yet hand them to the sharing plan")
 
 FEATURES: tuple[Feature, ...] = (
     Feature("tp", "TP", _all(SHARED)),
@@ -133,8 +134,8 @@ FEATURES: tuple[Feature, ...] = (
         VERL: Cell(WHOLE, f"{REPLAY_WHY} (router_replay.mode)", FRAMEWORKS[VERL].change("moe_enable_routing_replay")),
         NEMO_RL: Cell(WHOLE, f"{REPLAY_WHY} (use_router_replay)",
                       FRAMEWORKS[NEMO_RL].change("moe_enable_routing_replay")),
-        MEGATRON: Cell(WHOLE, f"{REPLAY_WHY} (moe_enable_routing_replay)",
-                       FRAMEWORKS[MEGATRON].change("moe_enable_routing_replay")),
+        MEGATRON: Cell(SHARED, "plan_shared_prefix(..., routed_experts=) with the records RouterReplay.set_replay_data "
+                               "replays (moe_enable_routing_replay; at CP = 1, each micro-batch planned on its own)"),
     }, present=lambda layout: layout.routing_replay, fields=("moe_enable_routing_replay",)),
     Feature("draft", "a draft model's hidden-state capture", {
         **_all(NOT_RUN, "NeMo-RL's alone"),

@@ -103,8 +103,12 @@ FIELDS = rows({  # routing is per token; statistics over the batch's tokens are 
                                     "it draws a bias per forward, not per token; " + UNTESTED),
     "moe_expert_rank_capacity_factor": _moe("None", lambda v, s: v is None, "MoE token dropping per expert rank",
                                             "which tokens drop depends on the batch's tokens; set it to None"),
-    "moe_enable_routing_replay": _moe("False", lambda v, s: not v, "MoE routing replay",
-                                      "it replays routing recorded per packed token, and a plan computes fewer"),
+    "moe_enable_routing_replay": _moe(
+        "any at context parallelism 1 (the router routes the packed rows and replays their records; the plan built "
+        "with routed_experts=, sharing only rows whose records agree: tested at 1 rank and TP = 2 + SP)",
+        lambda v, s: not v or int(s.get("context_parallel_size") or 1) == 1, "MoE routing replay beside context "
+        "parallelism", "each rank replays its share of the packed rows, which the package has not yet routed under a "
+        "plan; pack the micro-batch whole or set context_parallel_size=1"),
     "moe_router_padding_for_quantization": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
     "moe_router_padding_for_fp8": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
     "moe_pad_expert_input_to_capacity": WITHOUT_DROPPING,
