@@ -162,3 +162,50 @@ def test_routing_replay_holds_no_segment_across_micro_batches():
     reasons = config_held_reasons(tiny_moe_config(moe_enable_routing_replay=True), training=False)
     assert len(reasons) == 1 and reasons[0].startswith("MoE routing replay (moe_enable_routing_replay)")
     assert config_held_reasons(tiny_moe_config(), training=False) == []
+
+
+def _stream():
+    """Three samples sharing 4 leading ids (one of them 2 ids longer), then 3 padding rows of id 0 past
+    cu_seqlens[-1]: (ids, cu_seqlens)."""
+    ids = torch.tensor([5, 6, 7, 8, 1, 5, 6, 7, 8, 2, 5, 6, 7, 8, 3, 4, 0, 0, 0])
+    return ids, [0, 5, 10, 16]
+
+
+def test_the_records_given_as_one_tensor_or_per_layer_plan_alike():
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+    ids, cu = _stream()
+    records = torch.arange(ids.numel() * 2 * 3).reshape(ids.numel(), 2, 3) % 1  # every row alike: nothing parts
+    records[11, 1, 2] = 1  # sample 2's second token, layer 1: sample 2 parts from the others after one token
+    whole = plan_shared_prefix(ids, cu, routed_experts=records)
+    per_layer = plan_shared_prefix(ids, cu, routed_experts=[records[:, 0], records[:, 1]])
+    top_1 = plan_shared_prefix(ids, cu, routed_experts=records[:, 1, 2])  # [T]: one layer, top-1
+    assert whole.stats == per_layer.stats == top_1.stats
+    assert torch.equal(whole.tokens, top_1.tokens) and torch.equal(whole.logical_rows, top_1.logical_rows)
+    assert whole.stats.physical_tokens == plan_shared_prefix(ids, cu).stats.physical_tokens + 3
+
+
+def test_padding_past_the_last_sequence_is_computed_once_only_where_its_records_agree():
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+    ids, cu = _stream()
+    records = torch.zeros(ids.numel(), 2, dtype=torch.int64)
+    assert plan_shared_prefix(ids, cu, routed_experts=records, repeated_padding_once=True).stats.padding_rows == 1
+    records[-1, 0] = 3
+    assert plan_shared_prefix(ids, cu, routed_experts=records, repeated_padding_once=True).stats.padding_rows == 3
+    assert plan_shared_prefix(ids, cu, routed_experts=records).stats.padding_rows == 3
+
+
+def test_the_warning_names_at_most_eight_samples(caplog):
+    from megatron_rl_patches._log import forget_warnings
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+    ids = torch.tensor([4, 5, 6] * 10)
+    records = torch.zeros(30, 1, dtype=torch.int64)
+    records[1::3, 0] = torch.arange(10)  # each sample's second token its own expert: every sample parts after one
+    forget_warnings()
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        plan = plan_shared_prefix(ids, list(range(0, 31, 3)), routed_experts=records)
+    said = [r.getMessage() for r in caplog.records if "recorded MoE routes differ" in r.getMessage()]
+    assert len(said) == 1 and "(samples 0, 1, 2, 3, 4, 5, 6, 7 ...)" in said[0] and "18 more rows" in said[0], said
+    assert plan.stats.physical_tokens == 1 + 10 * 2
