@@ -68,7 +68,10 @@ def _agree(got: dict, want: dict) -> None:
 
 
 @layouts.mark("moe")
-def test_replayed_routes_under_a_plan_equal_the_packed_path(megatron_cpu, moe_router_on_cpu):
+def test_replayed_routes_under_a_plan_equal_the_packed_path(megatron_cpu, moe_router_on_cpu, caplog):
+    from megatron_rl_patches._log import forget_warnings
+
+    forget_warnings()
     batch = varying_padding(((30, (5, 9, 3)), (10, (4, 6))), (7,), paddings=(5, 4))
     records, model = _rollout_and_trainer(batch)
     want = _replayed(model, batch, records, ordinary)
@@ -76,7 +79,9 @@ def test_replayed_routes_under_a_plan_equal_the_packed_path(megatron_cpu, moe_ro
     assert relative_error(own["log_probs"], want["log_probs"]) > 1e-3
     got = _replayed(model, batch, records, _planned(batch, records, pad_to=2))
     _agree(got, want)
-    plan = batch.plan(routed_experts=records, pad_to=2)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        plan = batch.plan(routed_experts=records, pad_to=2)
+    assert not [r for r in caplog.records if "recorded MoE routes differ" in r.getMessage()]  # nothing to say
     assert plan.stats == batch.plan(pad_to=2).stats  # one engine's records of one prefix agree: nothing unshared
     assert plan.stats.physical_tokens < plan.stats.logical_tokens - 40
 
@@ -137,9 +142,13 @@ def test_a_padding_run_whose_records_differ_is_computed_row_by_row(megatron_cpu,
 
 
 @pytest.mark.parametrize("routes, error, words", [
-    (lambda t: [torch.zeros(t - 1, 2, dtype=torch.int64)], ValueError, "first dimension must be the"),
+    (lambda t: [torch.zeros(t - 1, 2, dtype=torch.int64)], ValueError,
+     r"first dimension must be the \d+ packed tokens \(each layer's \[tokens, topk\], as RouterReplay.set_replay_data "
+     r"takes them, or one \[tokens, layers, topk\] tensor\)"),
     (lambda t: [torch.zeros(t, 2)], ValueError, "integer expert indices"),
-    (lambda t: [torch.zeros(t, 2, dtype=torch.int64), [0] * t], TypeError, r"routed_experts\[1\] must be a tensor"),
+    (lambda t: [torch.zeros(t, 2, dtype=torch.int64, device="meta")], ValueError, "integer expert indices on a real"),
+    (lambda t: [torch.zeros(t, 2, dtype=torch.int64), [0] * t], TypeError,
+     r"routed_experts\[1\] must be a tensor of expert indices, got list"),
     (lambda t: [], ValueError, "routed_experts is empty"),
     (lambda t: "experts", TypeError, "routed_experts must be a tensor"),
 ])
@@ -196,16 +205,21 @@ def test_padding_past_the_last_sequence_is_computed_once_only_where_its_records_
     assert plan_shared_prefix(ids, cu, routed_experts=records).stats.padding_rows == 3
 
 
-def test_the_warning_names_at_most_eight_samples(caplog):
+@pytest.mark.parametrize("samples, named", [(8, "0, 1, 2, 3, 4, 5, 6, 7"), (9, "0, 1, 2, 3, 4, 5, 6, 7 ..."),
+                                             (10, "0, 1, 2, 3, 4, 5, 6, 7 ...")])
+def test_the_warning_names_at_most_eight_samples(caplog, samples, named):
     from megatron_rl_patches._log import forget_warnings
     from megatron_rl_patches.shared_prefix import plan_shared_prefix
 
-    ids = torch.tensor([4, 5, 6] * 10)
-    records = torch.zeros(30, 1, dtype=torch.int64)
-    records[1::3, 0] = torch.arange(10)  # each sample's second token its own expert: every sample parts after one
+    ids = torch.tensor([4, 5, 6] * samples)
+    records = torch.zeros(3 * samples, 1, dtype=torch.int64)
+    records[1::3, 0] = torch.arange(samples)  # each sample's second token its own expert: every sample parts after one
     forget_warnings()
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        plan = plan_shared_prefix(ids, list(range(0, 31, 3)), routed_experts=records)
+        plan = plan_shared_prefix(ids, list(range(0, 3 * samples + 1, 3)), routed_experts=records)
     said = [r.getMessage() for r in caplog.records if "recorded MoE routes differ" in r.getMessage()]
-    assert len(said) == 1 and "(samples 0, 1, 2, 3, 4, 5, 6, 7 ...)" in said[0] and "18 more rows" in said[0], said
-    assert plan.stats.physical_tokens == 1 + 10 * 2
+    assert said == [f"megatron-rl-patches: shared prefix: the recorded MoE routes differ where samples' ids agree "
+                    f"(samples {named}): those samples share only the rows where their records agree too, "
+                    f"{2 * samples - 2} more rows computed than their ids alone would need (a rollout engine whose "
+                    "routing depends on its batch records different experts for one prefix)"], said
+    assert plan.stats.physical_tokens == 1 + samples * 2
