@@ -58,6 +58,7 @@ rows equals the batch balanced whole."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,12 +109,26 @@ def counts_statistics(router: Any) -> bool:
                 or getattr(router, "enable_expert_bias", False))
 
 
+# a framework's own routing replay (one that records or replays each packed token's experts inside megatron-core's
+# top-k, not through its RouterReplay) says by these checks, registered from its integration, when a router replays
+_REPLAY_CHECKS: list[Callable[[Any], bool]] = []
+
+
+def register_replay_check(check: Callable[[Any], bool]) -> None:
+    """Count `check(router)` among the ways a router records or replays its experts (once per check)."""
+    if check not in _REPLAY_CHECKS:
+        _REPLAY_CHECKS.append(check)
+
+
 def replays(router: Any) -> bool:
     """Whether `router` records or replays its experts per packed token: megatron-core's routing
-    replay (`moe_enable_routing_replay`) with an action set. Such a router routes the plan's logical
-    rows, as the packed path's (the records are the packed path's rows)."""
+    replay (`moe_enable_routing_replay`) with an action set, or a registered framework's own. Such a
+    router routes the plan's logical rows, as the packed path's (the records are the packed path's
+    rows)."""
     replay = getattr(router, "router_replay", None)
-    return replay is not None and getattr(replay, "router_replay_action", None) is not None
+    if replay is not None and getattr(replay, "router_replay_action", None) is not None:
+        return True
+    return any(check(router) for check in _REPLAY_CHECKS)
 
 
 def records_agree(plan: SharedPrefixPlan, routing_map: torch.Tensor) -> None:

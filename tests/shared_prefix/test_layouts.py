@@ -478,16 +478,19 @@ def _sequence_parallel_statistics() -> dict:
 
 def _routing_replay_checks() -> tuple | None:
     """MoE routing replay at TP = 2 + SP with EP = 2 (megatron-core 0.16 on): another model's records
-    (each rank its share of the rows, as it routes them) replayed packed whole and under a plan built
-    from the whole micro-batch's records, in training with an aux loss, z-loss and expert-bias counts:
-    (log-prob error, gradient error, the largest logged-loss error, counts equal, the replay changed
-    the log-probs, the plan computed fewer rows)."""
+    (each rank its share of the rows, as it routes them) replayed packed whole and under the plan a
+    host's door builds from them (`PrefixPass.records`: the shares gathered over the tensor-parallel
+    group), in training with an aux loss, z-loss and expert-bias counts: (log-prob error, gradient
+    error, the largest logged-loss error, counts equal, the replay changed the log-probs, the plan
+    computed fewer rows and the door counted them, one rank unable to read its records packing the
+    micro-batch whole on both)."""
     import torch
     from kit.moe_statistics import STATISTICS, statistics_pass, varying_padding
     from kit.shared_prefix import ordinary
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.integrations.megatron.shared_prefix_pass import planned_pass
+    from megatron_rl_patches.shared_prefix.plan import shared_prefix_plan_of
     from megatron_rl_patches.testing.compare import grad_error, relative_error
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
     from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
@@ -514,11 +517,11 @@ def _routing_replay_checks() -> tuple | None:
             whole.append(torch.cat(parts))
         fresh_routers()
         model = build_packed_gpt(seq_length=512, seed=9, config=tiny_moe_config(**layout))
+        door = planned_pass("a replaying pass", [model])  # the host's door: each rank hands its share of the records
+        door.records = lambda: shares
 
         def planned(m, b):
-            prepare_shared_prefix(m)
-            params = shared_prefix_params(b.plan(pad_to=2, routed_experts=whole))
-            return m(b.tokens, None, None, packed_seq_params=params)
+            return m(b.tokens, None, None, packed_seq_params=door.params(b.tokens, b.thd_params(), b.samples))
 
         own = statistics_pass(model, batch, ordinary, tp)
         with acting("replay_forward", shares):
@@ -527,11 +530,16 @@ def _routing_replay_checks() -> tuple | None:
             got = statistics_pass(model, batch, planned, tp)
         _sum_sequence_parallel_grads(model, got["grads"], want["grads"])
         plan = batch.plan(pad_to=2, routed_experts=whole).stats
+        counted = dict(door.figures)
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        door.records = lambda: shares if rank == 0 else "this rank cannot read its records"  # one rank: both whole
+        alone = door.params(batch.tokens, batch.thd_params(), batch.samples)
     return (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]),
             max(relative_error(got["losses"][name], values) for name, values in want["losses"].items()),
             len(want["counts"]) == 2 and all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"])),
             relative_error(own["log_probs"], want["log_probs"]) > 1e-3,
-            plan.physical_tokens < plan.logical_tokens - 40)
+            plan.physical_tokens < plan.logical_tokens - 40 and counted.get("physical_tokens") == plan.physical_tokens,
+            shared_prefix_plan_of(alone) is None and door.figures.get("packed_whole") == 1)
 
 
 def _gated_delta_net_checks(sequence_parallel: bool) -> dict | None:
@@ -826,8 +834,8 @@ def test_routing_replay_under_sequence_and_expert_parallelism_equals_the_packed_
     if world[0]["tp2-sp-ep2-replay"] is None:
         pytest.skip("this megatron-core has no routing replay (moe_enable_routing_replay: 0.16 on)")
     for rank in world:
-        lp, grads, losses, counts, replayed, shared = rank["tp2-sp-ep2-replay"]
-        assert lp < TOL and grads < GRAD_TOL and losses < TOL and counts and replayed and shared
+        lp, grads, losses, counts, replayed, shared, one_rank_whole = rank["tp2-sp-ep2-replay"]
+        assert lp < TOL and grads < GRAD_TOL and losses < TOL and counts and replayed and shared and one_rank_whole
 
 
 @layouts.mark("pp2")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -20,6 +20,7 @@ import torch
 
 from megatron_rl_patches import settings
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.megatron.replayed_records import whole_records
 from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import held_params
 from megatron_rl_patches.integrations.shared_prefix_doors.decision import Reason, agreed_decision
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import MEGATRON
@@ -70,7 +71,10 @@ class PrefixPass:
     model that computes each row of it alike, `repeated_padding_alike`; slime pads with id 0), and the
     pass's figures so far (summed `PlanStats`, and `packed_whole`: the micro-batches that took the
     ordinary path); `held`: the pass's micro-batches (by index) planned step by step, each with its
-    step's plan (`shared_prefix_step_pass.hold_steps`; empty: each micro-batch planned on its own)."""
+    step's plan (`shared_prefix_step_pass.hold_steps`; empty: each micro-batch planned on its own);
+    `records`: where the host replays MoE routes, this rank's records of the next micro-batch (each
+    MoE layer's [rows, topk]; None: none replayed; a str: why they cannot be read), which its plan
+    then shares by (`replayed_records`)."""
 
     what: str
     pad_to: int = 1
@@ -80,6 +84,7 @@ class PrefixPass:
     cut: ContextCut | None = None
     repeated_padding_once: bool = False
     held: dict[int, Any] = field(default_factory=dict)
+    records: Callable[[], Any] | None = None
 
     def params(self, tokens: Any, packed_seq_params: Any, samples: int, whole: Any = None,
                index: int | None = None) -> Any:
@@ -97,10 +102,15 @@ class PrefixPass:
         if self.cut is not None:
             return self.context_parallel_params(tokens, packed_seq_params, samples, whole)
         reason = whole_reason(tokens, packed_seq_params, self.vocab)
+        routed = None
+        if self.records is not None:  # agreed over the group: every rank packs whole or none
+            routed = whole_records(self.records(), int(tokens.numel()), self.group)
+        if isinstance(routed, str):
+            reason = reason or routed
         if reason is not None:
             return self.packed_whole(reason, packed_seq_params)
         plan = plan_shared_prefix(tokens, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to,
-                                  repeated_padding_once=self.repeated_padding_once)
+                                  repeated_padding_once=self.repeated_padding_once, routed_experts=routed)
         physical, logical, checksum = plan.fingerprint()
         agree(self.group, "a micro-batch's shared-prefix plan", match={"physical rows": physical,
                                                                        "logical rows": logical,

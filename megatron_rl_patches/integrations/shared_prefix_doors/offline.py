@@ -136,7 +136,10 @@ def offline_verdicts(framework_key: str, model: ModelFacts, parallel: Parallel, 
         said = config_reasons(config, training=index == 0)
         reasons = pass_verdict(framework_key, layout, extra=tuple(class_reasons(framework_key, model, parallel,
                                                                                 version)))
-        covered = {f for row in FEATURES if row.present is not None and row.present(layout) for f in row.fields}
+        # a door row that packs whole says its fields once, in the framework's words; a row the door shares leaves
+        # the model's own check to refuse what it still cannot run (routing replay beside context parallelism)
+        covered = {f for row in FEATURES if row.present is not None and row.present(layout)
+                   and row.cells[framework_key].outcome != SHARED for f in row.fields}
         reasons += [Reason(reason, changes(framework_key, reason)) for reason in said
                     if not covered & set(re.findall(r"\((\w+)=", reason))]
         verdicts[name] = Verdict(refused if reasons else SHARED, tuple(dict.fromkeys(reasons)))

@@ -129,8 +129,8 @@ FEATURES: tuple[Feature, ...] = (
         MEGATRON: Cell(WHOLE, VLM_WHY, "pack its micro-batches whole"),
     }, present=lambda layout: layout.vision),
     Feature("routing-replay", "routing replay", {
-        SLIME: Cell(WHOLE, f"{REPLAY_WHY} (--use-rollout-routing-replay)",
-                    FRAMEWORKS[SLIME].change("moe_enable_routing_replay")),
+        SLIME: Cell(SHARED, "slime's records handed to the sharing plan (--use-rollout-routing-replay, "
+                            "--use-routing-replay), at CP = 1 and one pipeline stage"),
         VERL: Cell(WHOLE, f"{REPLAY_WHY} (router_replay.mode)", FRAMEWORKS[VERL].change("moe_enable_routing_replay")),
         NEMO_RL: Cell(WHOLE, f"{REPLAY_WHY} (use_router_replay)",
                       FRAMEWORKS[NEMO_RL].change("moe_enable_routing_replay")),

@@ -23,7 +23,9 @@ from megatron_rl_patches.integrations.megatron.shared_prefix_step_pass import ho
 from megatron_rl_patches.integrations.shared_prefix_doors.frameworks import SLIME
 from megatron_rl_patches.integrations.shared_prefix_doors.table import Layout
 from megatron_rl_patches.integrations.slime.model_kinds import register_model_kinds
+from megatron_rl_patches.integrations.slime.routing_replay_records import next_records, replay_reasons, slime_replays
 from megatron_rl_patches.settings import shared_prefix
+from megatron_rl_patches.shared_prefix.moe_statistics import register_replay_check
 
 
 @dataclass
@@ -71,16 +73,22 @@ def slime_prefix_pass(args: Any, model: Any, what: str, training: bool, iterator
     switch MEGATRON_RL_PATCHES_SHARED_PREFIX read once per slime `args` as `slime_settings` is. slime's
     `get_batch` keeps every sample whole beside each context-parallel rank's cut (zigzag, or a contiguous
     slice with --allgather-cp), so its passes plan at context parallelism too (`whole_micro_batch`). slime's
-    routing replay (--use-routing-replay, --use-rollout-routing-replay) replays routes per packed token: its
-    passes pack whole, said once in slime's words (`shared_prefix_doors`). With slime's data `iterators`,
+    routing replay (--use-routing-replay, --use-rollout-routing-replay) replays routes per packed token: each
+    micro-batch's plan shares only the rows whose records agree (`routing_replay_records`); at context or
+    pipeline parallelism its passes pack whole, said once in slime's words. With slime's data `iterators`,
     the pass's micro-batches per step (`counts`) and the first's index in slime's schedule (`first`; None:
-    the iterators' offset) each step's micro-batches are planned together where the budget cut a group."""
+    the iterators' offset) each step's micro-batches are planned together where the budget cut a group
+    (not under routing replay: its records are each micro-batch's)."""
     cut = "contiguous" if getattr(args, "allgather_cp", False) else "zigzag"
-    layout = Layout(context_layout=cut, routing_replay=bool(getattr(args, "use_routing_replay", False)
-                                                            or getattr(args, "use_rollout_routing_replay", False)))
+    replaying = bool(getattr(args, "use_routing_replay", False) or getattr(args, "use_rollout_routing_replay", False))
+    layout = Layout(context_layout=cut, routing_replay=replaying)
     register_model_kinds()  # slime's own layers, before the plan reads the model
+    register_replay_check(slime_replays)  # slime's replay routes the plan's packed rows
     prefix = prefix_pass(what, model, training=training, enabled=held_settings(args).shared_prefix, cut_layout=cut,
-                         framework=SLIME, layout=layout)
+                         framework=SLIME, layout=layout, extra=replay_reasons(args))
+    if prefix is not None and replaying:
+        prefix.records = next_records
+        return prefix
     if prefix is not None and counts is not None:
         iterator = iterators[0] if isinstance(iterators, Sequence) and iterators else iterators
         budget = getattr(args, "max_tokens_per_gpu", None) if getattr(args, "use_dynamic_batch_size", False) else None

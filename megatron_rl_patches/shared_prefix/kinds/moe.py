@@ -104,11 +104,15 @@ FIELDS = rows({  # routing is per token; statistics over the batch's tokens are 
     "moe_expert_rank_capacity_factor": _moe("None", lambda v, s: v is None, "MoE token dropping per expert rank",
                                             "which tokens drop depends on the batch's tokens; set it to None"),
     "moe_enable_routing_replay": _moe(
-        "any at context parallelism 1 (the router routes the packed rows and replays their records; the plan built "
-        "with routed_experts=, sharing only rows whose records agree: tested at 1 rank and TP = 2 + SP)",
-        lambda v, s: not v or int(s.get("context_parallel_size") or 1) == 1, "MoE routing replay beside context "
-        "parallelism", "each rank replays its share of the packed rows, which the package has not yet routed under a "
-        "plan; pack the micro-batch whole or set context_parallel_size=1"),
+        "any at context parallelism 1 and one pipeline stage (the router routes the packed rows and replays their "
+        "records; the plan built with routed_experts=, sharing only rows whose records agree: tested at 1 rank and "
+        "TP = 2 + SP with EP = 2)",
+        lambda v, s: not v or (int(s.get("context_parallel_size") or 1) == 1
+                               and int(s.get("pipeline_model_parallel_size") or 1) == 1),
+        "MoE routing replay beside context parallelism or pipeline stages",
+        "each context-parallel rank replays its own cut of the packed rows, which the package has not yet routed "
+        "under a plan, and each pipeline stage holds its own layers' records while every stage must build the same "
+        "plan; set context_parallel_size=1 and pipeline_model_parallel_size=1, or pack the micro-batch whole"),
     "moe_router_padding_for_quantization": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
     "moe_router_padding_for_fp8": _moe("False", lambda v, s: not v, "MoE routing-map padding", UNTESTED),
     "moe_pad_expert_input_to_capacity": WITHOUT_DROPPING,

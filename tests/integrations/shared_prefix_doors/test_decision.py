@@ -3,7 +3,8 @@ a cell per framework, a "packed whole" cell names what to change in that framewo
 refusal is answered with the framework's own flag, and a pass that cannot share packs whole with one
 warning (a ValueError under MEGATRON_RL_PATCHES_STRICT=1), never stopping a job the setting off would
 run. slime's routing replay (its own router patch: no config field the model's check reads) planned
-its passes before this table (the first two tests here failed on 9e804589)."""
+its passes before this table (the first test here failed on 9e804589); it shares at CP = 1 and one stage
+now, each plan built from slime's records."""
 from __future__ import annotations
 
 import logging
@@ -24,23 +25,36 @@ def _slime_args(**flags):
     return types.SimpleNamespace(**flags, **{HELD: SlimeSettings(None, True)})
 
 
-def test_slimes_routing_replay_packs_whole_with_one_warning_in_slimes_words(megatron_cpu, caplog):
+def test_slimes_routing_replay_shares_at_one_stage_and_packs_whole_beside_context_parallelism(megatron_cpu, caplog):
+    """slime's routing replay (issue 121 item 4): at CP = 1 and one stage its passes share, each plan built
+    from the records slime replays next (`routing_replay_records.next_records`, never a step's held
+    segments); beside context parallelism or under pipeline stages they pack whole with one warning in
+    slime's words."""
     from megatron_rl_patches._log import forget_warnings
     from megatron_rl_patches.integrations.slime.fused_step import slime_prefix_pass
+    from megatron_rl_patches.integrations.slime.routing_replay_records import next_records
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
 
     model = build_packed_gpt(seq_length=64)
     forget_warnings()
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        assert slime_prefix_pass(_slime_args(use_rollout_routing_replay=True), [model], "slime's training step",
-                                 training=True) is None
-    said = [r.getMessage() for r in caplog.records if "packed whole" in r.getMessage()]
-    assert len(said) == 1, said
-    for named in ("slime's training step runs each sample packed whole", "--use-rollout-routing-replay",
-                  "drop --use-rollout-routing-replay and --use-routing-replay", "MEGATRON_RL_PATCHES_SHARED_PREFIX=0",
-                  "MEGATRON_RL_PATCHES_STRICT=1"):
-        assert named in said[0], named
-    assert slime_prefix_pass(_slime_args(), [model], "slime's training step", training=True) is not None
+        shared = slime_prefix_pass(_slime_args(use_rollout_routing_replay=True), [model], "slime's training step",
+                                   training=True)
+        assert shared is not None and shared.records is next_records and not shared.held
+        assert not [r for r in caplog.records if "packed whole" in r.getMessage()]
+        for flags, named in (({"context_parallel_size": 2}, "--context-parallel-size 1"),
+                             ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1")):
+            forget_warnings()
+            caplog.clear()
+            assert slime_prefix_pass(_slime_args(use_routing_replay=True, **flags), [model], "slime's training step",
+                                     training=True) is None
+            said = [r.getMessage() for r in caplog.records if "packed whole" in r.getMessage()]
+            assert len(said) == 1, said
+            for words in ("slime's training step runs each sample packed whole", "slime's routing replay", named,
+                          "drop --use-rollout-routing-replay and --use-routing-replay",
+                          "MEGATRON_RL_PATCHES_SHARED_PREFIX=0", "MEGATRON_RL_PATCHES_STRICT=1"):
+                assert words in said[0], (words, said[0])
+    assert slime_prefix_pass(_slime_args(), [model], "slime's training step", training=True).records is None
 
 
 def test_under_strict_the_same_words_raise_and_nothing_is_prepared(megatron_cpu):
@@ -50,11 +64,11 @@ def test_under_strict_the_same_words_raise_and_nothing_is_prepared(megatron_cpu)
     model = build_packed_gpt(seq_length=64)
     with pytest.raises(ValueError) as raised:
         prefix_pass("slime's log-prob pass", [model], training=False, enabled=True, framework="slime",
-                    layout=Layout(routing_replay=True), strict=True)
+                    layout=Layout(vision=True), strict=True)
     message = str(raised.value)
     assert message.startswith("MEGATRON_RL_PATCHES_SHARED_PREFIX=1 with MEGATRON_RL_PATCHES_STRICT=1: slime's log-prob "
-                              "pass cannot pack a group's prompt once: the rollout's recorded expert choices")
-    assert "drop --use-rollout-routing-replay" in message and "MEGATRON_RL_PATCHES_SHARED_PREFIX=0" in message
+                              "pass cannot pack a group's prompt once: a vision-language model's prompt")
+    assert "multimodal_train_inputs" in message and "MEGATRON_RL_PATCHES_SHARED_PREFIX=0" in message
     assert not getattr(model, "_megatron_rl_patches_shared_prefix", False)  # the model was not prepared
 
 
