@@ -35,7 +35,8 @@ def _layer(index: int, value: Any, tokens: int) -> torch.Tensor:
         raise ValueError(f"plan_shared_prefix: routed_experts[{index}] has shape {tuple(value.shape)}: its first "
                          f"dimension must be the {tokens} packed tokens (each layer's [tokens, topk], as "
                          "RouterReplay.set_replay_data takes them, or one [tokens, layers, topk] tensor)")
-    return value.detach().to("cpu", torch.int64).reshape(tokens, -1)
+    value = value.detach().to("cpu", torch.int64)
+    return value.flatten(start_dim=1) if value.dim() > 1 else value.unsqueeze(1)
 
 
 def route_keys(ids: torch.Tensor, routes: Any) -> torch.Tensor:
@@ -53,9 +54,9 @@ def route_keys(ids: torch.Tensor, routes: Any) -> torch.Tensor:
     else:
         raise TypeError("plan_shared_prefix: routed_experts must be a tensor [tokens, ...] of expert indices or a "
                         f"sequence of them (one per MoE layer), got {type(routes).__name__}")
-    table = torch.cat([ids.reshape(tokens, 1), *layers], dim=1)
     if tokens == 0:
         return ids.clone()
+    table = torch.cat([ids.reshape(tokens, 1), *layers], dim=1)
     return torch.unique(table, dim=0, return_inverse=True)[1].to(torch.int64)
 
 
@@ -85,10 +86,8 @@ def say_what_routes_cost(by_ids: int, by_routes: int, differing: list[int]) -> N
 
 def _shared_rows(logical_rows: torch.Tensor, starts: list[int], ends: list[int]) -> list[int]:
     """Per sample, how many of its rows another sample's rows read too (the samples' rows only)."""
-    end = ends[-1] if ends else 0
-    physical = logical_rows[:end]
-    readers = torch.bincount(physical) if physical.numel() else torch.zeros(0, dtype=torch.int64)
-    shared = (readers.index_select(0, physical) > 1).to(torch.int64) if physical.numel() else physical
+    physical = logical_rows[:ends[-1] if ends else 0]
+    shared = torch.bincount(physical).index_select(0, physical) > 1
     return [int(shared[start:stop].sum()) for start, stop in zip(starts, ends)]
 
 

@@ -223,3 +223,15 @@ def test_the_warning_names_at_most_eight_samples(caplog, samples, named):
                     f"{2 * samples - 2} more rows computed than their ids alone would need (a rollout engine whose "
                     "routing depends on its batch records different experts for one prefix)"], said
     assert plan.stats.physical_tokens == 1 + samples * 2
+
+
+def test_an_empty_stream_or_one_of_padding_plans_alike_with_records():
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert plan_shared_prefix(empty, [0], routed_experts=torch.zeros(0, 2, dtype=torch.int64)).stats == \
+        plan_shared_prefix(empty, [0]).stats
+    padding = torch.full((3,), 7)
+    records = torch.zeros(3, 2, dtype=torch.int64)
+    assert plan_shared_prefix(padding, [0, 3], samples=0, routed_experts=records,
+                              repeated_padding_once=True).stats.padding_rows == 1
