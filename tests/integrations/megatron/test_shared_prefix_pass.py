@@ -204,3 +204,34 @@ def test_a_pass_plans_each_step_together_where_the_budget_cut_a_group(megatron_c
     with pytest.raises(ValueError, match=r"pipeline parallelism \(pipeline_model_parallel_size=2\).*; or unset "):
         hold_steps(refused, [model], training=True, steps=[cut], strict=True)
     model.config.pipeline_model_parallel_size = 1
+
+
+def test_a_pass_that_replays_routes_plans_by_its_records(megatron_cpu, clean_patch_state, caplog):
+    """`PrefixPass.records` (a host replaying MoE routes): each micro-batch's plan shares only the rows
+    whose records agree; no records planned by the ids; records that are not the micro-batch's rows, or
+    that the host cannot read (its words), packed whole and counted (`replayed_records`, one rank)."""
+    from megatron_rl_patches.integrations.megatron.replayed_records import whole_records
+
+    planned = prefix_pass("a pass", [_model()], training=True, enabled=True)
+    batch = grpo_batch()
+    tokens = batch.tokens.numel()
+    records = [torch.zeros(tokens, 2, dtype=torch.int64), torch.zeros(tokens, 2, dtype=torch.int64)]
+    by_ids = shared_prefix_plan_of(planned.params(batch.tokens, batch.thd_params(), batch.samples)).stats
+    planned.records = lambda: records
+    assert shared_prefix_plan_of(planned.params(batch.tokens, batch.thd_params(), batch.samples)).stats == by_ids
+    records[1][int(batch.cu_seqlens[1]) + 3, 0] = 1  # the second sample's 4th token: it parts from its group there
+    parted = shared_prefix_plan_of(planned.params(batch.tokens, batch.thd_params(), batch.samples)).stats
+    assert parted.physical_tokens == by_ids.physical_tokens + 40 - 3
+    planned.records = lambda: None
+    assert shared_prefix_plan_of(planned.params(batch.tokens, batch.thd_params(), batch.samples)).stats == by_ids
+    for held, said in ((lambda: [records[0][1:]], "not the micro-batch's rows"),
+                       (lambda: [], "not the micro-batch's"),
+                       (lambda: "the host cannot read them", "the host cannot read them")):
+        planned.records = held
+        with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+            given = batch.thd_params()
+            assert planned.params(batch.tokens, given, batch.samples) is given
+        assert said in caplog.text
+    assert planned.figures["packed_whole"] == 3
+    alone = whole_records(records, tokens, None)  # one rank: its own records, as they are
+    assert len(alone) == 2 and all(torch.equal(a, b) for a, b in zip(alone, records))
