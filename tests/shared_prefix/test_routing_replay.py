@@ -149,8 +149,11 @@ def test_a_padding_run_whose_records_differ_is_computed_row_by_row(megatron_cpu,
     (lambda t: [torch.zeros(t, 2, dtype=torch.int64, device="meta")], ValueError, "integer expert indices on a real"),
     (lambda t: [torch.zeros(t, 2, dtype=torch.int64), [0] * t], TypeError,
      r"routed_experts\[1\] must be a tensor of expert indices, got list"),
-    (lambda t: [], ValueError, "routed_experts is empty"),
-    (lambda t: "experts", TypeError, "routed_experts must be a tensor"),
+    (lambda t: torch.zeros(t + 1, 2, dtype=torch.int64), ValueError, r"routed_experts\[0\] has shape \(\d+, 2\)"),
+    (lambda t: [], ValueError, r"^plan_shared_prefix: routed_experts is empty: pass each MoE layer's recorded "
+                               r"experts, or routed_experts=None where no experts are replayed$"),
+    (lambda t: "experts", TypeError, r"^plan_shared_prefix: routed_experts must be a tensor \[tokens, \.\.\.\] of "
+                                     r"expert indices or a sequence of them \(one per MoE layer\), got str$"),
 ])
 def test_bad_routes_are_refused_by_name(routes, error, words):
     from kit.shared_prefix import grpo_batch
@@ -235,3 +238,12 @@ def test_an_empty_stream_or_one_of_padding_plans_alike_with_records():
     records = torch.zeros(3, 2, dtype=torch.int64)
     assert plan_shared_prefix(padding, [0, 3], samples=0, routed_experts=records,
                               repeated_padding_once=True).stats.padding_rows == 1
+
+
+def test_a_padding_sequence_of_no_rows_at_the_streams_end_is_read():
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+    ids = torch.tensor([1, 2, 3, 1, 2, 4, 7, 7, 7, 7])
+    records = torch.zeros(10, 1, dtype=torch.int64)
+    plan = plan_shared_prefix(ids, [0, 3, 6, 10, 10], samples=2, routed_experts=records, repeated_padding_once=True)
+    assert plan.stats.padding_rows == 1 and plan.stats.physical_tokens == 4
