@@ -18,8 +18,8 @@ NONE, WHOLE, SHARE, OTHER = 0, 1, 2, 3  # what a rank holds: no records, the who
 def _held(local: Any, tokens: int, ranks: int) -> int:
     if local is None:
         return NONE
-    if not isinstance(local, list) or not local or not all(isinstance(t, torch.Tensor) and t.dim() >= 1
-                                                           for t in local):
+    if not isinstance(local, (list, tuple)) or not local or not all(isinstance(t, torch.Tensor) and t.dim() >= 1
+                                                                    for t in local):
         return OTHER
     rows = {int(t.shape[0]) for t in local}
     if rows == {tokens}:

@@ -224,14 +224,16 @@ def test_a_pass_that_replays_routes_plans_by_its_records(megatron_cpu, clean_pat
     assert parted.physical_tokens == by_ids.physical_tokens + 40 - 3
     planned.records = lambda: None
     assert shared_prefix_plan_of(planned.params(batch.tokens, batch.thd_params(), batch.samples)).stats == by_ids
-    for held, said in ((lambda: [records[0][1:]], "not the micro-batch's rows"),
-                       (lambda: [], "not the micro-batch's"),
+    planned.records = lambda: (records[1][:, 0],)  # one layer's top-1, as a tuple
+    assert shared_prefix_plan_of(planned.params(batch.tokens, batch.thd_params(), batch.samples)).stats == parted
+    other = ("records of the replayed MoE routes that are not the micro-batch's rows on every tensor-parallel rank")
+    for held, said in ((lambda: [records[0][1:]], other), (lambda: [], other), (lambda: [records[0], [0]], other),
                        (lambda: "the host cannot read them", "the host cannot read them")):
         planned.records = held
         with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
             given = batch.thd_params()
             assert planned.params(batch.tokens, given, batch.samples) is given
         assert said in caplog.text
-    assert planned.figures["packed_whole"] == 3
+    assert planned.figures["packed_whole"] == 4
     alone = whole_records(records, tokens, None)  # one rank: its own records, as they are
     assert len(alone) == 2 and all(torch.equal(a, b) for a, b in zip(alone, records))

@@ -84,3 +84,23 @@ def test_without_slime_nothing_is_read(monkeypatch):
     monkeypatch.setenv("ROUTING_REPLAY_STAGE", "replay_forward")
     monkeypatch.setitem(sys.modules, "slime.utils.routing_replay", None)  # not importable
     assert next_records() is None
+
+
+def test_why_slimes_replay_packs_whole_at_each_layout():
+    from types import SimpleNamespace as Args
+
+    from megatron_rl_patches.integrations.shared_prefix_doors.decision import Reason
+    from megatron_rl_patches.integrations.slime.routing_replay_records import replay_reasons
+
+    drop = "drop --use-rollout-routing-replay and --use-routing-replay"
+    context = Reason("slime's routing replay beside context parallelism (each rank replays its own cut of the rows, "
+                     "which the sharing plan does not read yet)", f"--context-parallel-size 1, or {drop}")
+    stages = Reason("slime's routing replay under pipeline parallelism (each stage holds its own layers' records, "
+                    "and every stage must build the same sharing plan)", f"--pipeline-model-parallel-size 1, or {drop}")
+    assert replay_reasons(Args(context_parallel_size=2, pipeline_model_parallel_size=2)) == ()  # no replay
+    assert replay_reasons(Args(use_rollout_routing_replay=True, context_parallel_size=2)) == (context,)
+    assert replay_reasons(Args(use_routing_replay=True, pipeline_model_parallel_size=2)) == (stages,)
+    assert replay_reasons(Args(use_routing_replay=True, context_parallel_size=2,
+                               pipeline_model_parallel_size=2)) == (context, stages)
+    assert replay_reasons(Args(use_routing_replay=True, context_parallel_size=None,
+                               pipeline_model_parallel_size=0)) == ()  # unset sizes: one rank
