@@ -612,6 +612,16 @@ def cache_root() -> str:
     return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
 
 
+def slime_routing_replay_stage() -> str | None:
+    """slime's routing-replay stage (ROUTING_REPLAY_STAGE: "record", "replay_forward",
+    "replay_backward", "fallthrough") where its replay is on (ENABLE_ROUTING_REPLAY=1), else None.
+    slime's own variables, which slime sets between its passes and around its model call: read at each
+    call, never held."""
+    if os.environ.get("ENABLE_ROUTING_REPLAY", "0") != "1":
+        return None
+    return os.environ.get("ROUTING_REPLAY_STAGE")
+
+
 def triton_interpreted() -> bool:
     """Whether TRITON_INTERPRET asks Triton's interpreter (Triton reads it when a kernel is decorated)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")

@@ -17,38 +17,32 @@ Its records are the packed micro-batch's rows, each rank's share of them under s
   records while every stage must build the same plan."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from megatron_rl_patches.integrations.shared_prefix_doors.decision import Reason
+from megatron_rl_patches.settings import slime_routing_replay_stage
 
 RECORDING_OR_REPLAYING = ("record", "replay_forward", "replay_backward")
 REPLAYING = ("replay_forward", "replay_backward")  # the stages at slime's get_batch where its records are read
 DROP = "drop --use-rollout-routing-replay and --use-routing-replay"
 
 
-def _stage() -> str | None:
-    if os.environ.get("ENABLE_ROUTING_REPLAY", "0") != "1":
-        return None
-    return os.environ.get("ROUTING_REPLAY_STAGE")
-
-
 def slime_replays(router: Any) -> bool:
     """Whether slime's routing replay records or replays the routers' experts now."""
     del router  # slime's stage is one for every router
-    return _stage() in RECORDING_OR_REPLAYING
+    return slime_routing_replay_stage() in RECORDING_OR_REPLAYING
 
 
 def next_records() -> list[torch.Tensor] | None | str:
     """This rank's records of the micro-batch slime's routers replay next (each MoE layer's
     [rows, topk]); None where slime replays nothing now; a str where a record cannot be read here
     (the micro-batch then packs whole)."""
-    if _stage() not in REPLAYING:
+    if slime_routing_replay_stage() not in REPLAYING:
         return None
     try:
-        from slime.utils.routing_replay import RoutingReplay  # lazy: slime, where it runs
+        from slime.utils.routing_replay import RoutingReplay  # lazy: optional dependency slime (where it runs)
     except ImportError:
         return None
     records: list[torch.Tensor] = []
