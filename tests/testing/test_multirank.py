@@ -34,7 +34,9 @@ def test_a_hanging_world_fails_within_one_timeout():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"no result within 3.0s"):
         run_multirank(hang, 3, timeout=timeout)
-    assert time.monotonic() - start < 2 * timeout
+    # under 3 timeouts (9 s), where the per-rank joins took 4 (12 s): the rest is spawning and tearing down 3 ranks,
+    # 6.4 s once on a loaded 2-core machine (a bound of 2 timeouts failed there)
+    assert time.monotonic() - start < 3 * timeout
 
 
 def test_ranks_see_the_callers_environment_cwd_and_capture(monkeypatch, tmp_path, capfd):
