@@ -482,8 +482,8 @@ def _routing_replay_checks() -> tuple | None:
     host's door builds from them (`PrefixPass.records`: the shares gathered over the tensor-parallel
     group), in training with an aux loss, z-loss and expert-bias counts: (log-prob error, gradient
     error, the largest logged-loss error, counts equal, the replay changed the log-probs, the plan
-    computed fewer rows and the door counted them, one rank unable to read its records packing the
-    micro-batch whole on both)."""
+    computed fewer rows and the door counted them, one rank unable to read its records, or holding records of
+    another width, packing the micro-batch whole on both, before any gather)."""
     import torch
     from kit.moe_statistics import STATISTICS, statistics_pass, varying_padding
     from kit.shared_prefix import ordinary
@@ -534,12 +534,15 @@ def _routing_replay_checks() -> tuple | None:
         rank = parallel_state.get_tensor_model_parallel_rank()
         door.records = lambda: shares if rank == 0 else "this rank cannot read its records"  # one rank: both whole
         alone = door.params(batch.tokens, batch.thd_params(), batch.samples)
+        door.records = lambda: shares if rank == 0 else [share[:, :1] for share in shares]  # another width: both whole
+        narrow = door.params(batch.tokens, batch.thd_params(), batch.samples)
     return (relative_error(got["log_probs"], want["log_probs"]), grad_error(got["grads"], want["grads"]),
             max(relative_error(got["losses"][name], values) for name, values in want["losses"].items()),
             len(want["counts"]) == 2 and all(torch.equal(g, w) for g, w in zip(got["counts"], want["counts"])),
             relative_error(own["log_probs"], want["log_probs"]) > 1e-3,
             plan.physical_tokens < plan.logical_tokens - 40 and counted.get("physical_tokens") == plan.physical_tokens,
-            shared_prefix_plan_of(alone) is None and door.figures.get("packed_whole") == 1)
+            shared_prefix_plan_of(alone) is None and shared_prefix_plan_of(narrow) is None
+            and door.figures.get("packed_whole") == 2)
 
 
 def _gated_delta_net_checks(sequence_parallel: bool) -> dict | None:

@@ -6,6 +6,7 @@ the group before the gather, so a rank without records, or with records of other
 micro-batch whole on every rank alike (never one rank gathering while another waits)."""
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -36,12 +37,16 @@ def whole_records(local: Any, tokens: int, group: Any) -> list[torch.Tensor] | N
     (why the micro-batch packs whole) where the ranks disagree or one cannot read them."""
     ranks = torch.distributed.get_world_size(group) if group is not None and torch.distributed.is_initialized() else 1
     mine = _held(local, tokens, ranks)
+    if mine in (WHOLE, SHARE):  # the gather's shapes agreed too: layers, each record's width and dtype
+        layout = repr([(tuple(t.shape[1:]), str(t.dtype)) for t in local]).encode()
+        mine += 4 * (zlib.crc32(layout) & 0x3FFFFFFF)
     low, high = agreed_range(group, mine)
-    if low != high or high == OTHER:
+    held = high % 4  # what every rank holds, where they all hold it alike
+    if low != high or held == OTHER:
         return local if isinstance(local, str) else ("records of the replayed MoE routes that are not the "
                                                      "micro-batch's rows on every tensor-parallel rank")
-    if high == NONE:
+    if held == NONE:
         return None
-    if high == WHOLE:
+    if held == WHOLE:
         return [t.detach() for t in local]
     return [torch.cat(gathered(group, t.detach().contiguous()), dim=0) for t in local]
